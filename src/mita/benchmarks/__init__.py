@@ -1,0 +1,1 @@
+"""Benchmarks: the demo and the speed and memory suite."""

@@ -1,0 +1,1 @@
+"""Long Range Arena: data generators, loaders, models, training and evaluation."""

@@ -1,0 +1,1 @@
+"""Functional attention ops on (B, H, N, D) tensors, one module (or package) per method."""

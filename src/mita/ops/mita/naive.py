@@ -1,0 +1,99 @@
+"""Reference MiTA attention: the spec's steps, one after the other, for reading and testing.
+
+Quadratic in memory (every query gathers its routed keys explicitly); it is the oracle
+the efficient path in :mod:`mita.ops.mita.grouped` is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import MiTAConfig
+
+
+def pool_landmarks_reference(q: torch.Tensor, cfg: MiTAConfig) -> torch.Tensor:
+    """Step 1: average-pool the queries after the prefix into m landmarks (B, H, m, D)."""
+    out = []
+    for b in range(q.shape[0]):
+        x = q[b, :, cfg.num_prefix_tokens :]  # (H, L, D)
+        real = None if cfg.query_mask is None else cfg.query_mask[b, cfg.num_prefix_tokens :]
+        if cfg.grid is None:
+            if real is not None:
+                x = x[:, real]  # the real tokens only, in order
+            pooled = F.adaptive_avg_pool1d(x.transpose(1, 2), cfg.m).transpose(1, 2)
+        else:
+            img = x.transpose(1, 2).unflatten(-1, cfg.grid)  # (H, D, gh, gw)
+            if real is None:
+                pooled = F.adaptive_avg_pool2d(img, cfg.pool_shape)
+            else:  # mean over the real tokens of each bin
+                w = real.to(x.dtype).view(1, 1, *cfg.grid)
+                den = F.adaptive_avg_pool2d(w, cfg.pool_shape)
+                if bool((den == 0).any()):
+                    raise ValueError(f"key_padding_mask leaves a landmark bin of batch element {b} with no real token")
+                pooled = F.adaptive_avg_pool2d(img * w, cfg.pool_shape) / den
+            pooled = pooled.flatten(2).transpose(1, 2)
+        out.append(pooled)
+    return torch.stack(out)
+
+
+def mita_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cfg: MiTAConfig,
+    landmarks: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """MiTA attention by the spec's steps; returns (out, (landmarks, experts, routes))."""
+    B, H, Nq, D = q.shape
+    k = k.repeat_interleave(H // k.shape[1], dim=1)  # grouped-query heads share kv heads
+    v = v.repeat_interleave(H // v.shape[1], dim=1)
+    if cfg.key_mask is not None:  # padded tokens take no part anywhere
+        k = k.masked_fill(~cfg.key_mask[:, None, :, None], 0)
+        v = v.masked_fill(~cfg.key_mask[:, None, :, None], 0)
+    if cfg.query_mask is not None:
+        q = q.masked_fill(~cfg.query_mask[:, None, :, None], 0)
+    acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+
+    # 1. Landmarks Q~ (B, H, m, D).
+    if landmarks is None:
+        landmarks = pool_landmarks_reference(q, cfg)
+
+    # 2. Affinities A = Q~ K^T (B, H, m, Nk); padded keys are -inf.
+    A = landmarks @ k.transpose(-1, -2)
+    if cfg.key_mask is not None:
+        A = A.masked_fill(~cfg.key_mask[:, None, None, :], float("-inf"))
+
+    # 3. Shared expert: values V~ = softmax(s0 A) V; its keys are the landmarks.
+    v_shared = torch.softmax(cfg.scale * A, dim=-1, dtype=acc).to(q.dtype) @ v
+
+    # 4. Deformable experts: the top-k keys of each landmark (B, H, m, k).
+    experts = A.topk(cfg.topk, dim=-1).indices
+
+    # 5. Routing: each query goes to the s landmarks with the largest gate q . q~.
+    gate = q @ landmarks.transpose(-1, -2)  # (B, H, Nq, m)
+    routes = gate.topk(cfg.num_routed, dim=-1).indices  # (B, H, Nq, s)
+
+    # 6. One softmax over [landmarks ; keys of every routed expert] for each query.
+    idx = torch.gather(
+        experts.unsqueeze(2).expand(B, H, Nq, cfg.m, cfg.topk),
+        3,
+        routes.unsqueeze(-1).expand(B, H, Nq, cfg.num_routed, cfg.topk),
+    ).flatten(3)  # (B, H, Nq, s*k) key positions, repeats kept
+    keys = torch.gather(k.unsqueeze(2).expand(B, H, Nq, -1, D), 3, idx.unsqueeze(-1).expand(-1, -1, -1, -1, D))
+    vals = torch.gather(v.unsqueeze(2).expand(B, H, Nq, -1, D), 3, idx.unsqueeze(-1).expand(-1, -1, -1, -1, D))
+    routed = cfg.scale * (keys @ q.unsqueeze(-1)).squeeze(-1)  # (B, H, Nq, s*k)
+    if cfg.key_mask is not None:  # clamped k: slots past a short sequence's real keys
+        real = torch.gather(cfg.key_mask[:, None, None, :].expand(B, H, Nq, -1), 3, idx)
+        routed = routed.masked_fill(~real, float("-inf"))
+    logits = torch.cat([cfg.landmark_scale * gate, routed], dim=-1)
+    p = torch.softmax(logits, dim=-1, dtype=acc).to(q.dtype)
+    if dropout_p > 0:
+        p = F.dropout(p, dropout_p)
+    out = p[..., : cfg.m] @ v_shared + (p[..., cfg.m :].unsqueeze(-2) @ vals).squeeze(-2)
+
+    # 7. Padded query rows are zero.
+    if cfg.query_mask is not None:
+        out = out.masked_fill(~cfg.query_mask[:, None, :, None], 0)
+    return out, (landmarks, experts, routes)

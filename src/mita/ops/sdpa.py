@@ -1,0 +1,41 @@
+"""Standard softmax attention (PyTorch's SDPA) behind the registry's op interface."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import Method, Taxonomy, register
+
+
+def sdpa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    key_padding_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with a bool key padding mask (B, Nk); padded query rows are zero."""
+    mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
+    gqa = q.shape[1] != k.shape[1]
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=gqa
+    )
+    if key_padding_mask is not None and q.shape[2] == k.shape[2]:
+        out = out.masked_fill(~key_padding_mask[:, None, :, None], 0)
+    return out
+
+
+register(
+    Method(
+        name="sdpa",
+        taxonomy=Taxonomy("none (full attention)", "1 (width N)", "MLP (softmax)", "all tokens", "all-to-one"),
+        op=sdpa_attention,
+        flops=lambda n, d, **_: 4 * n * n * d,
+        cost="4 N^2 D",
+        paper="Vaswani et al. 2017",
+    )
+)

@@ -1,0 +1,1 @@
+"""Vision transformers with MiTA: FLOP tables and the paper's vision experiments."""
