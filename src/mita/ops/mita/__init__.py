@@ -42,6 +42,7 @@ def mita_attention(
     landmark_scale: float | None = None,
     landmarks: torch.Tensor | None = None,
     dropout_p: float = 0.0,
+    branches: Literal["both", "shared", "routed"] = "both",
     return_routing: bool = False,
     impl: Literal["auto", "grouped", "reference"] = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, MiTARouting]:
@@ -58,6 +59,8 @@ def mita_attention(
         scale: s0, default D**-0.5. landmark_scale: scale of the landmark logits, default s0.
         landmarks: (B, H, m, D) landmarks to use instead of pooling.
         dropout_p: dropout on the attention probabilities (pass 0 in evaluation).
+        branches: "both" (MiTA), or the paper's ablations "shared" (shared expert only) and
+            "routed" (routed experts only, no shared expert).
         return_routing: also return a :class:`MiTARouting` for analysis.
         impl: "grouped" (linear memory, the default for "auto") or "reference" (the spec's steps).
     """
@@ -71,7 +74,7 @@ def mita_attention(
         q, k, v,
         num_landmarks=num_landmarks, topk=topk, num_routed=num_routed, grid=grid,
         num_prefix_tokens=num_prefix_tokens, key_padding_mask=key_padding_mask, scale=scale,
-        landmark_scale=landmark_scale, landmarks=landmarks,
+        landmark_scale=landmark_scale, landmarks=landmarks, branches=branches,
     )  # fmt: skip
     out, routing = IMPLEMENTATIONS[impl](q, k, v, cfg, landmarks=landmarks, dropout_p=dropout_p)
     return (out, MiTARouting(*routing)) if return_routing else out

@@ -29,6 +29,15 @@ class MiTAConfig:
     key_mask: torch.Tensor | None  # (B, Nk) bool, True = real key
     query_mask: torch.Tensor | None  # (B, Nq) bool, True = real query (self-attention only)
     short_keys: bool  # some sequence has fewer real keys than topk: experts hold padded slots
+    branches: str = "both"  # "both", or an ablation: "shared" (shared expert only), "routed" (no shared expert)
+
+    @property
+    def use_shared(self) -> bool:
+        return self.branches != "routed"
+
+    @property
+    def use_routed(self) -> bool:
+        return self.branches != "shared"
 
 
 def _landmark_shape(num_landmarks: int | tuple[int, int], grid: tuple[int, int] | None) -> tuple[int, ...]:
@@ -69,6 +78,7 @@ def check(
     scale: float | None,
     landmark_scale: float | None,
     landmarks: torch.Tensor | None,
+    branches: str = "both",
 ) -> MiTAConfig:
     """Validate the arguments of ``mita_attention`` and resolve defaults."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -158,6 +168,8 @@ def check(
                     "to pool landmarks from"
                 )
 
+    if branches not in ("both", "shared", "routed"):
+        raise ValueError(f"branches must be 'both', 'shared' or 'routed', got {branches!r}")
     s0 = D**-0.5 if scale is None else float(scale)
     ls = s0 if landmark_scale is None else float(landmark_scale)
     return MiTAConfig(
@@ -171,5 +183,6 @@ def check(
         landmark_scale=ls,
         key_mask=key_mask,
         query_mask=query_mask,
+        branches=branches,
         short_keys=key_mask is not None and min(topk, n_real) > n_real_min,
     )

@@ -93,6 +93,10 @@ def mita_attention_grouped(
 
     gate = q @ landmarks.transpose(-1, -2)  # (B, H, Nq, m): routing gate and shared logits
     routes = gate.topk(s, dim=-1).indices  # (B, H, Nq, s)
+    if not cfg.use_routed:  # ablation: the shared expert alone
+        p = torch.softmax(cfg.landmark_scale * gate, dim=-1, dtype=acc).to(q.dtype)
+        out = F.dropout(p, dropout_p) @ v_shared if dropout_p > 0 else p @ v_shared
+        return _zero_padded(out, cfg), (landmarks, experts, routes)
 
     # Rows of the grouped buffer: one per (query, routed expert), grouped by global expert id.
     expert_id = (routes + torch.arange(X, device=q.device).view(B, H, 1, 1) * m).reshape(-1)
@@ -123,12 +127,18 @@ def mita_attention_grouped(
         real = torch.gather(real.unsqueeze(2).expand(B, H, Nq, m, kk), 3, routes[..., None].expand(-1, -1, -1, -1, kk))
         routed = routed.masked_fill(~real.flatten(3), float("-inf"))
 
-    p = torch.softmax(torch.cat([cfg.landmark_scale * gate, routed], dim=-1), dim=-1, dtype=acc).to(q.dtype)
+    ms = m if cfg.use_shared else 0
+    logits = torch.cat([cfg.landmark_scale * gate, routed], dim=-1) if ms else routed
+    p = torch.softmax(logits, dim=-1, dtype=acc).to(q.dtype)
     if dropout_p > 0:
         p = F.dropout(p, dropout_p)
-    p_t = q.new_zeros(n_tiles * T, kk).index_put((slot,), p[..., m:].reshape(-1, kk)).view(n_tiles, T, kk)
-    out_routed = (p_t @ v_t).view(n_tiles * T, D)[slot].view(B, H, Nq, s, D).sum(3)
-    out = p[..., :m] @ v_shared + out_routed
-    if cfg.query_mask is not None:
-        out = out.masked_fill(~cfg.query_mask[:, None, :, None], 0)
-    return out, (landmarks, experts, routes)
+    p_t = q.new_zeros(n_tiles * T, kk).index_put((slot,), p[..., ms:].reshape(-1, kk)).view(n_tiles, T, kk)
+    out = (p_t @ v_t).view(n_tiles * T, D)[slot].view(B, H, Nq, s, D).sum(3)
+    if ms:
+        out = out + p[..., :m] @ v_shared
+    return _zero_padded(out, cfg), (landmarks, experts, routes)
+
+
+def _zero_padded(out: torch.Tensor, cfg: MiTAConfig) -> torch.Tensor:
+    """Step 7: the output rows of padded queries are zero."""
+    return out if cfg.query_mask is None else out.masked_fill(~cfg.query_mask[:, None, :, None], 0)

@@ -87,11 +87,15 @@ def mita_attention_reference(
     if cfg.key_mask is not None:  # clamped k: slots past a short sequence's real keys
         real = torch.gather(cfg.key_mask[:, None, None, :].expand(B, H, Nq, -1), 3, idx)
         routed = routed.masked_fill(~real, float("-inf"))
-    logits = torch.cat([cfg.landmark_scale * gate, routed], dim=-1)
-    p = torch.softmax(logits, dim=-1, dtype=acc).to(q.dtype)
+    # (The ablations keep one part: "shared" drops the routed keys, "routed" the landmarks.)
+    shared_values = v_shared.unsqueeze(2).expand(B, H, Nq, cfg.m, D)
+    parts = ([(cfg.landmark_scale * gate, shared_values)] if cfg.use_shared else []) + (
+        [(routed, vals)] if cfg.use_routed else []
+    )
+    p = torch.softmax(torch.cat([logit for logit, _ in parts], dim=-1), dim=-1, dtype=acc).to(q.dtype)
     if dropout_p > 0:
         p = F.dropout(p, dropout_p)
-    out = p[..., : cfg.m] @ v_shared + (p[..., cfg.m :].unsqueeze(-2) @ vals).squeeze(-2)
+    out = (p.unsqueeze(-2) @ torch.cat([value for _, value in parts], dim=-2)).squeeze(-2)
 
     # 7. Padded query rows are zero.
     if cfg.query_mask is not None:
