@@ -30,6 +30,7 @@ class MiTAAttention(AttentionLayer):
         grid: tuple[int, int] | Literal["auto"] | None = None,
         num_prefix_tokens: int = 0,
         compat: Literal["official"] | None = None,
+        branches: Literal["both", "shared", "routed"] = "both",
         impl: str = "auto",
         **kwargs,
     ) -> None:
@@ -40,6 +41,7 @@ class MiTAAttention(AttentionLayer):
             raise ValueError(f"grid must be None, 'auto' or a pair (gh, gw), got {grid!r}")
         self.num_landmarks, self.topk, self.num_routed = num_landmarks, topk, num_routed
         self.grid, self.num_prefix_tokens, self.compat, self.impl = grid, num_prefix_tokens, compat, impl
+        self.branches = branches  # "both", or an ablation: "shared" / "routed"
         self.record_routing = False  # set True to keep the last call's MiTARouting in .routing
         self.routing: MiTARouting | None = None
 
@@ -64,7 +66,7 @@ class MiTAAttention(AttentionLayer):
     def attend(self, q, k, v, key_padding_mask, is_causal):
         kwargs = dict(
             num_landmarks=self.num_landmarks, topk=self.topk, num_routed=self.num_routed,
-            key_padding_mask=key_padding_mask, dropout_p=self.dropout_p, impl=self.impl,
+            key_padding_mask=key_padding_mask, dropout_p=self.dropout_p, branches=self.branches, impl=self.impl,
         )  # fmt: skip
         if self.compat == "official":
             kwargs.update(landmarks=official_landmarks(q, self.num_landmarks), landmark_scale=self.head_dim**-1.0)
