@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,16 @@ import torch
 
 from .layers.base import AttentionLayer
 
-_BUILTIN_MODULES = ["mita.ops.sdpa", "mita.ops.mita.registration"]
+_BUILTIN_MODULES = [
+    "mita.ops.sdpa",
+    "mita.ops.mita.registration",
+    "mita.ops.topk",
+    "mita.ops.moba",
+    "mita.ops.linear",
+    "mita.ops.agent",
+    "mita.ops.nystrom",
+    "mita.ops.taxonomy_only",
+]
 _REGISTRY: dict[str, Method] = {}
 
 Config = str | Mapping[str, Any]
@@ -103,7 +113,7 @@ def parse(config: Config) -> tuple[str, dict[str, Any]]:
         raise ValueError(f"an attention config is a name like 'mita:topk=32' or a dict, got {config!r}")
     name, _, rest = config.partition(":")
     options = {}
-    for item in filter(None, (p.strip() for p in rest.split(","))):
+    for item in filter(None, (p.strip() for p in re.split(r",(?![^(\[]*[)\]])", rest))):  # not inside (..) / [..]
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"attention option {item!r} in {config!r} must read key=value")

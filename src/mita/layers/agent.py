@@ -1,0 +1,134 @@
+"""``AgentAttention``: timm's ``Attention`` with Agent attention (Han et al. 2024).
+
+Options from the Agent attention paper: the agent bias (learned position biases
+between the agents and the tokens of a fixed layout, added to both softmaxes) and a
+depth-wise 3x3 convolution on V over the patch grid added to the output (kernel 3
+over the sequence for 1-D inputs). Both add parameters: timm ``Attention`` state dicts
+load with ``strict=False``, missing only those.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn as nn
+
+from .base import AttentionLayer
+from .mita import MiTAAttention
+
+
+def _bias(*shape: int, dd: dict) -> nn.Parameter:
+    return nn.Parameter(nn.init.trunc_normal_(torch.empty(*shape, **dd), std=0.02))
+
+
+class AgentBias(nn.Module):
+    """Learned biases between n agents and the tokens of a fixed layout, for both softmaxes.
+
+    On a (gh, gw) grid a bias is a row term plus a column term; on a 1-D sequence of L
+    tokens there is one term per position. The prefix tokens have their own terms.
+    ``forward(n_tokens)`` returns (aggregate (H, n, N), broadcast (H, N, n)).
+    """
+
+    def __init__(
+        self, num_heads: int, num_agents: int, grid: tuple[int, int] | None, length: int, num_prefix_tokens: int, dd
+    ) -> None:
+        super().__init__()
+        H, n, P = num_heads, num_agents, num_prefix_tokens
+        self.grid, self.n_tokens = grid, P + (grid[0] * grid[1] if grid else length)
+        self.agent_prefix, self.prefix_agent = _bias(H, n, P, dd=dd), _bias(H, P, n, dd=dd)
+        if grid is None:
+            self.agent_token, self.token_agent = _bias(H, n, length, dd=dd), _bias(H, length, n, dd=dd)
+        else:
+            (gh, gw) = grid
+            self.agent_row, self.agent_col = _bias(H, n, gh, 1, dd=dd), _bias(H, n, 1, gw, dd=dd)
+            self.row_agent, self.col_agent = _bias(H, gh, 1, n, dd=dd), _bias(H, 1, gw, n, dd=dd)
+
+    def forward(self, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if n_tokens != self.n_tokens:
+            raise ValueError(f"the agent bias was built for N={self.n_tokens} tokens, got N={n_tokens}")
+        if self.grid is None:
+            aggregate, broadcast = self.agent_token, self.token_agent
+        else:
+            aggregate = (self.agent_row + self.agent_col).flatten(2)
+            broadcast = (self.row_agent + self.col_agent).flatten(1, 2)
+        return torch.cat([self.agent_prefix, aggregate], dim=2), torch.cat([self.prefix_agent, broadcast], dim=1)
+
+
+class AgentAttention(AttentionLayer):
+    """Multi-head self-attention with Agent attention; a drop-in for ``timm.models.vision_transformer.Attention``.
+
+    Args (besides timm's):
+        num_agents: n, or (nh, nw) / a perfect square with a 2-D grid.
+        grid: None (1-D pooling), (gh, gw), or "auto" (a square grid of N - num_prefix_tokens).
+        num_prefix_tokens: leading tokens (CLS) that are not pooled, biased or convolved.
+        agent_bias: learn the agent bias; needs the layout: ``grid=(gh, gw)``, or ``seq_len`` in 1-D.
+        seq_len: N (prefix included) of a 1-D layout, for ``agent_bias``.
+        dwc: add a depth-wise convolution of V (3x3 on the grid, 3 in 1-D) to the output.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        *args,
+        num_agents: int | tuple[int, int] = 64,
+        grid: tuple[int, int] | Literal["auto"] | None = None,
+        num_prefix_tokens: int = 0,
+        agent_bias: bool = False,
+        seq_len: int | None = None,
+        dwc: bool = False,
+        **kwargs,
+    ) -> None:
+        super().__init__(dim, num_heads, *args, **kwargs)
+        dd = {"device": kwargs.get("device"), "dtype": kwargs.get("dtype")}
+        if not (grid is None or grid == "auto" or (isinstance(grid, (tuple, list)) and len(grid) == 2)):
+            raise ValueError(f"grid must be None, 'auto' or a pair (gh, gw), got {grid!r}")
+        if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
+            raise ValueError(f"num_prefix_tokens must be an int >= 0, got {num_prefix_tokens!r}")
+        self.num_agents, self.grid, self.num_prefix_tokens = num_agents, grid, num_prefix_tokens
+        self.agent_bias = None
+        if agent_bias:
+            n = num_agents if isinstance(num_agents, int) else math.prod(num_agents)
+            if isinstance(grid, (tuple, list)):
+                self.agent_bias = AgentBias(num_heads, n, tuple(grid), 0, num_prefix_tokens, dd)
+            elif grid is None and isinstance(seq_len, int) and seq_len > num_prefix_tokens:
+                self.agent_bias = AgentBias(num_heads, n, None, seq_len - num_prefix_tokens, num_prefix_tokens, dd)
+            else:
+                raise ValueError(
+                    "agent_bias needs a fixed token layout: grid=(gh, gw), or grid=None with seq_len=N "
+                    f"(> num_prefix_tokens); got grid={grid!r}, seq_len={seq_len!r}"
+                )
+        conv = nn.Conv1d if grid is None else nn.Conv2d
+        self.dwc = conv(self.attn_dim, self.attn_dim, 3, padding=1, groups=self.attn_dim, **dd) if dwc else None
+
+    def extra_repr(self) -> str:
+        return f"num_agents={self.num_agents}, grid={self.grid}, num_prefix_tokens={self.num_prefix_tokens}"
+
+    resolve_grid = MiTAAttention.resolve_grid  # same rule: None, (gh, gw), or a square of N - prefix
+
+    def _conv_values(self, v: torch.Tensor, key_padding_mask: torch.Tensor | None, grid) -> torch.Tensor:
+        """The depth-wise convolution of V over the tokens after the prefix; zero on the prefix."""
+        B, H, _, D = v.shape
+        if key_padding_mask is not None:
+            v = v.masked_fill(~key_padding_mask[:, None, :, None], 0)
+        x = v[:, :, self.num_prefix_tokens :].transpose(-1, -2).reshape(B, H * D, -1)
+        x = self.dwc(x if grid is None else x.unflatten(-1, grid)).reshape(B, H, D, -1).transpose(-1, -2)
+        return torch.cat([v.new_zeros(B, H, self.num_prefix_tokens, D), x], dim=2)
+
+    def attend(self, q, k, v, key_padding_mask, is_causal):
+        from ..ops.agent import agent_attention  # here, not at the top: ops.agent imports this module
+
+        grid = self.resolve_grid(q.shape[2])
+        aggregate, broadcast = self.agent_bias(q.shape[2]) if self.agent_bias is not None else (None, None)
+        out = agent_attention(
+            q, k, v, num_agents=self.num_agents, grid=grid, num_prefix_tokens=self.num_prefix_tokens,
+            key_padding_mask=key_padding_mask, dropout_p=self.dropout_p, aggregate_bias=aggregate,
+            broadcast_bias=broadcast,
+        )  # fmt: skip
+        if self.dwc is not None:
+            out = out + self._conv_values(v, key_padding_mask, grid)
+            if key_padding_mask is not None:
+                out = out.masked_fill(~key_padding_mask[:, None, :, None], 0)
+        return out

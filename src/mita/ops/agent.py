@@ -1,0 +1,146 @@
+"""Agent attention (Han et al. 2024, "Agent Attention: On the Integration of Softmax and Linear Attention").
+
+n agent tokens A are pooled from the queries. Agent aggregation gathers the context into
+the agents, V_A = softmax(s A K^T + B1) V (n x D); agent broadcast hands it back,
+out = softmax(s Q A^T + B2) V_A. It is one shared softmax expert of width n, built by
+landmark probing (spec section 5). Both steps are linear in N; the reference forms the
+equivalent (Nq, Nk) attention matrix softmax(s Q A^T) softmax(s A K^T) explicitly. The
+agent bias (B1, B2) and the depth-wise convolution on V belong to the layer,
+:class:`mita.layers.agent.AgentAttention`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import Method, Taxonomy, register
+from ..layers.agent import AgentAttention
+from .mita.grouped import pool_landmarks
+from .mita.naive import pool_landmarks_reference
+from .topk import check_inputs, key_mask_of, softmax_allowed, zero_padded
+
+
+def _check(q, k, v, num_agents, grid, num_prefix_tokens, key_padding_mask, dropout_p, scale, agents, biases):
+    """Validated config; each bias must broadcast to its logits (B, H, n, Nk) and (B, H, Nq, n)."""
+    cfg = check_inputs(
+        q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale, num_landmarks=num_agents,
+        grid=grid, num_prefix_tokens=num_prefix_tokens, landmarks=agents,
+    )  # fmt: skip
+    B, H, Nq, _ = q.shape
+    shapes = {"aggregate_bias": (B, H, cfg.m, k.shape[2]), "broadcast_bias": (B, H, Nq, cfg.m)}
+    for name, bias in zip(shapes, biases):
+        if bias is None:
+            continue
+        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+            raise TypeError(f"{name} must be a float tensor or None, got {type(bias).__name__}")
+        try:
+            torch.broadcast_shapes(bias.shape, shapes[name])
+        except RuntimeError:
+            raise ValueError(f"{name} of shape {tuple(bias.shape)} must broadcast to {shapes[name]}") from None
+    return cfg
+
+
+def _kernels(q, k, agents, cfg, aggregate_bias, broadcast_bias, dropout_p):
+    """The two softmax kernels: aggregation (B, H, n, Nk) and broadcast (B, H, Nq, n)."""
+    B, H, _, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    logits = (agents.reshape(B, Hkv, -1, D) @ k.transpose(-1, -2)).view(B, H, cfg.m, Nk) * cfg.scale
+    if aggregate_bias is not None:
+        logits = logits + aggregate_bias
+    aggregate = softmax_allowed(logits, key_mask_of(cfg, k)[:, None, None, :].expand(B, H, cfg.m, Nk))
+    logits = cfg.scale * q @ agents.transpose(-1, -2)
+    if broadcast_bias is not None:
+        logits = logits + broadcast_bias
+    acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    broadcast = torch.softmax(logits, dim=-1, dtype=acc).to(q.dtype)
+    if dropout_p > 0:
+        aggregate, broadcast = F.dropout(aggregate, dropout_p), F.dropout(broadcast, dropout_p)
+    return aggregate, broadcast
+
+
+def agent_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    num_agents: int | tuple[int, int],
+    grid: tuple[int, int] | None = None,
+    num_prefix_tokens: int = 0,
+    key_padding_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    agents: torch.Tensor | None = None,
+    aggregate_bias: torch.Tensor | None = None,
+    broadcast_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Agent attention as one (Nq, Nk) attention matrix: broadcast kernel times aggregation kernel."""
+    cfg = _check(
+        q, k, v, num_agents, grid, num_prefix_tokens, key_padding_mask, dropout_p, scale, agents,
+        (aggregate_bias, broadcast_bias),
+    )  # fmt: skip
+    if agents is None:
+        agents = pool_landmarks_reference(q, cfg)
+    aggregate, broadcast = _kernels(q, k, agents, cfg, aggregate_bias, broadcast_bias, dropout_p)
+    attn = broadcast @ aggregate  # (B, H, Nq, Nk), rows sum to 1
+    return zero_padded(attn @ v.repeat_interleave(q.shape[1] // v.shape[1], dim=1), cfg)
+
+
+def agent_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    num_agents: int | tuple[int, int],
+    grid: tuple[int, int] | None = None,
+    num_prefix_tokens: int = 0,
+    key_padding_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    agents: torch.Tensor | None = None,
+    aggregate_bias: torch.Tensor | None = None,
+    broadcast_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Agent attention on (B, H, N, D) tensors in O(N n D).
+
+    Args:
+        q: (B, H, Nq, D). k, v: (B, Hkv, Nk, D), H a multiple of Hkv.
+        num_agents: n, or (nh, nw) / a perfect square with a 2-D ``grid``.
+        grid: (gh, gw) patch grid for 2-D pooling of the agents; None pools in 1-D.
+        num_prefix_tokens: leading tokens (CLS) that attend but are not pooled into agents.
+        key_padding_mask: bool (B, Nk), True = real token; agents pool real queries only.
+        dropout_p: dropout on both softmax kernels. scale: default D**-0.5.
+        agents: (B, H, n, D) agent tokens to use instead of pooling.
+        aggregate_bias: added to the agent-to-key logits, broadcastable to (B, H, n, Nk).
+        broadcast_bias: added to the query-to-agent logits, broadcastable to (B, H, Nq, n).
+    """
+    cfg = _check(
+        q, k, v, num_agents, grid, num_prefix_tokens, key_padding_mask, dropout_p, scale, agents,
+        (aggregate_bias, broadcast_bias),
+    )  # fmt: skip
+    if agents is None:
+        agents = pool_landmarks(q, cfg)
+    aggregate, broadcast = _kernels(q, k, agents, cfg, aggregate_bias, broadcast_bias, dropout_p)
+    B, H, _, D = q.shape
+    agent_values = (aggregate.reshape(B, k.shape[1], -1, k.shape[2]) @ v).view(B, H, cfg.m, D)
+    return zero_padded(broadcast @ agent_values, cfg)
+
+
+def agent_flops(n: int, d: int, num_agents: int | tuple[int, int] = 64, **_: object) -> float:
+    """Aggregation (A K^T, times V) and broadcast (Q A^T, times V_A): 2 n N D each."""
+    a = num_agents if isinstance(num_agents, int) else num_agents[0] * num_agents[1]
+    return 8 * n * a * d
+
+
+register(
+    Method(
+        name="agent",
+        taxonomy=Taxonomy("compression", "1", "MLP (softmax)", "content-dependent (landmark probing)", "all-to-one"),
+        op=agent_attention,
+        layer=AgentAttention,
+        defaults={"num_agents": 64},
+        flops=agent_flops,
+        cost="8 N n D",
+        paper="Han et al. 2024",
+    )
+)

@@ -1,0 +1,166 @@
+"""MoBA, Mixture of Block Attention (Lu et al. 2025).
+
+The keys are cut into fixed blocks of ``block_size`` tokens (the last one may be short);
+each query attends to the ``topk`` blocks whose mean key has the largest dot product
+with it. Causal: future blocks are never chosen, the query's own block always is (and
+is masked causally inside). The blocks are experts built by position (a locality prior);
+the routing is N-to-N/n. The reference builds the full (Nq, Nk) mask; the efficient path
+gathers the selected blocks for a chunk of queries at a time: O(chunk x topk x block_size)
+memory, linear in N for a fixed number of selected blocks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import Method, Taxonomy, register
+from .topk import (
+    check_causal,
+    check_inputs,
+    check_positive_int,
+    chunk_rows,
+    key_mask_of,
+    masked_attention,
+    softmax_allowed,
+    zero_padded,
+)
+
+
+def _route(affinity: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor, block_size: int, causal: bool, topk: int):
+    """Selected blocks (..., rows, n_sel) of each query and whether each selection is real.
+
+    Empty blocks (all keys padded) and, if causal, future blocks are never chosen; with
+    ``causal`` the query's own block always is.
+    """
+    affinity = affinity.masked_fill(~valid[:, None, None, :], float("-inf"))
+    if causal:
+        blocks = torch.arange(affinity.shape[-1], device=affinity.device)
+        own = (rows // block_size)[:, None]
+        affinity = affinity.masked_fill(blocks > own, float("-inf")).masked_fill(blocks == own, float("inf"))
+    chosen, blocks = affinity.topk(min(topk, affinity.shape[-1]), dim=-1)
+    return blocks, chosen > float("-inf")
+
+
+def _check(q, k, v, block_size, topk, key_padding_mask, dropout_p, scale, causal, is_causal):
+    cfg = check_inputs(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale)
+    check_positive_int("block_size", block_size)
+    check_positive_int("topk", topk)
+    return cfg, check_causal(causal, is_causal, q, k)
+
+
+def moba_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    block_size: int,
+    topk: int,
+    key_padding_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    causal: bool = False,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """MoBA by its definition: block means, block choice per query, dense attention over the chosen keys."""
+    cfg, causal = _check(q, k, v, block_size, topk, key_padding_mask, dropout_p, scale, causal, is_causal)
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
+    real = key_mask_of(cfg, k)
+    keys = k.repeat_interleave(H // k.shape[1], dim=1)
+    means, valid = [], []
+    for start in range(0, Nk, block_size):  # mean of the real keys of each block
+        w = real[:, start : start + block_size].to(k.dtype)
+        means.append(
+            (keys[:, :, start : start + block_size] * w[:, None, :, None]).sum(2) / w.sum(1).clamp(min=1)[:, None, None]
+        )
+        valid.append(w.sum(1) > 0)
+    rows = torch.arange(Nq, device=q.device)
+    blocks, ok = _route(
+        q @ torch.stack(means, 2).transpose(-1, -2), torch.stack(valid, 1), rows, block_size, causal, topk
+    )
+    chosen = torch.zeros(B, H, Nq, len(means), dtype=torch.bool, device=q.device).scatter(-1, blocks, ok)
+    allowed = chosen[..., torch.arange(Nk, device=q.device) // block_size] & real[:, None, None, :]
+    if causal:
+        allowed = allowed & (torch.arange(Nk, device=q.device) <= rows[:, None])
+    return zero_padded(masked_attention(q, k, v, allowed, cfg.scale, dropout_p), cfg)
+
+
+def moba_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    block_size: int,
+    topk: int,
+    key_padding_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    causal: bool = False,
+    is_causal: bool = False,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """MoBA on (B, H, N, D) tensors in memory linear in N.
+
+    Args:
+        q: (B, H, Nq, D). k, v: (B, Hkv, Nk, D), H a multiple of Hkv.
+        block_size: keys per block. topk: blocks per query (clamped to the block count);
+            with every block selected this is softmax attention.
+        key_padding_mask: bool (B, Nk), True = real key; block means use real keys only.
+        causal / is_causal: no future blocks, own block always selected and causally masked.
+        chunk_size: queries per chunk; None picks one that bounds the gathered blocks' memory.
+    """
+    cfg, causal = _check(q, k, v, block_size, topk, key_padding_mask, dropout_p, scale, causal, is_causal)
+    B, H, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    G, nb = H // Hkv, math.ceil(Nk / block_size)
+    pad = nb * block_size - Nk
+    real = F.pad(key_mask_of(cfg, k), (0, pad), value=False).view(B, nb, block_size)
+    kb = F.pad(k, (0, 0, 0, pad)).view(B, Hkv, nb, block_size * D)
+    vb = F.pad(v, (0, 0, 0, pad)).view(B, Hkv, nb, block_size * D)
+    count = real.sum(-1)  # (B, nb)
+    w = real.to(k.dtype)[:, None, :, :, None]
+    means = (kb.view(B, Hkv, nb, block_size, D) * w).sum(3) / count.clamp(min=1)[:, None, :, None]
+    n_sel = min(topk, nb)
+    step = chunk_rows(Nq, B * H * max(nb, n_sel * block_size * D), chunk_size)
+    batch = torch.arange(B, device=q.device)[:, None, None, None]
+    offsets = torch.arange(block_size, device=q.device)
+    outs = []
+    for start in range(0, Nq, step):
+        rows = torch.arange(start, min(start + step, Nq), device=q.device)
+        C = rows.numel()
+        qc = q[:, :, start : start + C]
+        affinity = (qc.reshape(B, Hkv, G * C, D) @ means.transpose(-1, -2)).view(B, H, C, nb)
+        blocks, ok = _route(affinity, count > 0, rows, block_size, causal, topk)
+        index = blocks.reshape(B, Hkv, G * C * n_sel, 1).expand(-1, -1, -1, block_size * D)
+        keys = torch.gather(kb, 2, index).view(B, H, C, n_sel * block_size, D)
+        values = torch.gather(vb, 2, index).view(B, H, C, n_sel * block_size, D)
+        allowed = (real[batch, blocks] & ok[..., None]).flatten(-2)  # (B, H, C, n_sel * block_size)
+        if causal:
+            allowed = allowed & ((blocks[..., None] * block_size + offsets).flatten(-2) <= rows[:, None])
+        p = softmax_allowed(cfg.scale * (keys @ qc.unsqueeze(-1)).squeeze(-1), allowed)
+        if dropout_p > 0:
+            p = F.dropout(p, dropout_p)
+        outs.append((p.unsqueeze(-2) @ values).squeeze(-2))
+    return zero_padded(torch.cat(outs, dim=2), cfg)
+
+
+def moba_flops(n: int, d: int, block_size: int = 64, topk: int = 2, **_: object) -> float:
+    """Block affinities (2 N (N/b) D) plus attention over k blocks of b keys (4 N k b D)."""
+    nb = math.ceil(n / block_size)
+    return 2 * n * nb * d + 4 * n * min(topk, nb) * block_size * d
+
+
+register(
+    Method(
+        name="moba",
+        taxonomy=Taxonomy("routing", "N/n", "MLP (softmax)", "position-driven (blocks, locality prior)", "N-to-N/n"),
+        op=moba_attention,
+        defaults={"block_size": 64, "topk": 2},
+        flops=moba_flops,
+        cost="2 N^2 D / b + 4 N k b D",
+        paper="Lu et al. 2025",
+    )
+)

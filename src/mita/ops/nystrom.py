@@ -1,0 +1,134 @@
+"""Nyströmformer (Xiong et al. 2021): softmax attention through m segment-mean landmarks.
+
+softmax(Q K^T) is approximated by F A^+ B with F = softmax(s Q K~^T) (N x m),
+A = softmax(s Q~ K~^T) (m x m) and B = softmax(s Q~ K^T) (m x N), where Q~ and K~ are
+the means of m contiguous segments of the queries and keys, and A^+ is the
+Moore-Penrose pseudo-inverse computed by the paper's iteration (6 steps). The
+reference builds the (Nq, Nk) approximate attention matrix; the efficient path
+multiplies right to left, O(N m D + m^3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..attention import Method, Taxonomy, register
+from .mita.grouped import pool_landmarks
+from .mita.naive import pool_landmarks_reference
+from .topk import check_inputs, key_mask_of, softmax_allowed, zero_padded
+
+
+def iterative_pinv(a: torch.Tensor, iterations: int | None = 6) -> torch.Tensor:
+    """Pseudo-inverse of a batch of square matrices.
+
+    The Nyströmformer iteration: Z0 = A^T / (||A||_1 ||A||_inf),
+    Z <- Z (13 I - A Z (15 I - A Z (7 I - A Z))) / 4. ``iterations=None``: exact
+    ``torch.linalg.pinv`` (for tests and for checking the approximation).
+    """
+    if iterations is None:
+        return torch.linalg.pinv(a)
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    norm_1 = a.abs().sum(-2).amax(-1, keepdim=True)[..., None]
+    norm_inf = a.abs().sum(-1).amax(-1, keepdim=True)[..., None]
+    z = a.transpose(-1, -2) / (norm_1 * norm_inf)
+    for _ in range(iterations):
+        az = a @ z
+        z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
+    return z
+
+
+def _check(q, k, v, num_landmarks, key_padding_mask, dropout_p, scale, pinv_iterations):
+    cfg = check_inputs(
+        q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale, num_landmarks=num_landmarks
+    )
+    if dropout_p:
+        raise ValueError(f"nystrom attention supports no attention dropout; use dropout_p=0, got {dropout_p!r}")
+    if pinv_iterations is not None and (
+        isinstance(pinv_iterations, bool) or not isinstance(pinv_iterations, int) or pinv_iterations < 1
+    ):
+        raise ValueError(
+            f"pinv_iterations must be an int >= 1, or None for the exact pseudo-inverse, got {pinv_iterations!r}"
+        )
+    return cfg
+
+
+def nystrom_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    num_landmarks: int,
+    key_padding_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    pinv_iterations: int | None = 6,
+) -> torch.Tensor:
+    """The approximate (Nq, Nk) attention matrix F A^+ B, built explicitly, times V."""
+    cfg = _check(q, k, v, num_landmarks, key_padding_mask, dropout_p, scale, pinv_iterations)
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    real = key_mask_of(cfg, k)[:, None, None, :]
+    q_land = pool_landmarks_reference(q, cfg)  # segment means of the real queries
+    k_land = pool_landmarks_reference(k, dataclasses.replace(cfg, query_mask=cfg.key_mask))
+    kernel_f = torch.softmax(cfg.scale * q @ k_land.transpose(-1, -2), dim=-1)
+    kernel_a = torch.softmax(cfg.scale * q_land @ k_land.transpose(-1, -2), dim=-1)
+    kernel_b = softmax_allowed(cfg.scale * q_land @ k.transpose(-1, -2), real.expand(*q_land.shape[:3], -1))
+    attn = kernel_f @ iterative_pinv(kernel_a, pinv_iterations) @ kernel_b
+    return zero_padded(attn @ v, cfg)
+
+
+def nystrom_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    num_landmarks: int,
+    key_padding_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    pinv_iterations: int | None = 6,
+) -> torch.Tensor:
+    """Nyström attention on (B, H, N, D) tensors in O(N m D + m^3) time and O(N m) memory.
+
+    Args:
+        q: (B, H, Nq, D). k, v: (B, Hkv, Nk, D), H a multiple of Hkv.
+        num_landmarks: m, the segments whose means are the landmarks (bins of adaptive_avg_pool1d).
+        key_padding_mask: bool (B, Nk), True = real token; landmarks average real tokens only.
+        dropout_p: must be 0. scale: default D**-0.5.
+        pinv_iterations: steps of the pseudo-inverse iteration (paper: 6); None = exact pinv.
+    """
+    cfg = _check(q, k, v, num_landmarks, key_padding_mask, dropout_p, scale, pinv_iterations)
+    B, H, _, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    G, m = H // Hkv, cfg.m
+    q_land = pool_landmarks(q, cfg)  # (B, H, m, D)
+    k_land = pool_landmarks(k, dataclasses.replace(cfg, query_mask=cfg.key_mask)).repeat_interleave(G, dim=1)
+    kernel_f = torch.softmax(cfg.scale * q @ k_land.transpose(-1, -2), dim=-1)  # (B, H, Nq, m)
+    kernel_a = torch.softmax(cfg.scale * q_land @ k_land.transpose(-1, -2), dim=-1)  # (B, H, m, m)
+    logits_b = (q_land.reshape(B, Hkv, G * m, D) @ k.transpose(-1, -2)).view(B, H, m, Nk)
+    kernel_b = softmax_allowed(cfg.scale * logits_b, key_mask_of(cfg, k)[:, None, None, :].expand(B, H, m, Nk))
+    bv = (kernel_b.view(B, Hkv, G * m, Nk) @ v).view(B, H, m, D)  # the landmarks' values
+    return zero_padded(kernel_f @ (iterative_pinv(kernel_a, pinv_iterations) @ bv), cfg)
+
+
+def nystrom_flops(n: int, d: int, num_landmarks: int = 64, pinv_iterations: int | None = 6, **_: object) -> float:
+    """F, B and their products with values (8 N m D), A and A^+ BV (4 m^2 D), 8 m^3 per pinv step."""
+    m = num_landmarks
+    return 8 * n * m * d + 4 * m * m * d + 8 * (pinv_iterations or 0) * m**3
+
+
+register(
+    Method(
+        name="nystrom",
+        taxonomy=Taxonomy(
+            "compression", "1", "MLP (softmax)", "content-dependent (landmark probing: segment means)", "all-to-one"
+        ),
+        op=nystrom_attention,
+        defaults={"num_landmarks": 64},
+        flops=nystrom_flops,
+        cost="8 N m D + 4 m^2 D + 48 m^3",
+        paper="Xiong et al. 2021",
+    )
+)
