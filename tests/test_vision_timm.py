@@ -140,7 +140,7 @@ def test_convert_refuses_to_drop_extras():
         ((None, 3), {}, TypeError, "attention must be"),
         ((None, "nope"), {}, ValueError, "not a registered attention"),
         ((None, "timm"), {"topk": 3}, ValueError, "takes no options"),
-        ((None, "sdpa"), {"dwc": True}, ValueError, "belong to attention='mita'"),
+        ((None, "sdpa"), {"dwc": True}, ValueError, r"'sdpa' takes no options \['dwc'\]"),
         ((None, "mita"), {"grid": None, "dwc": True}, ValueError, "dwc=True needs a patch grid"),
     ],
     ids=["not-module", "no-attention", "bad-attention-type", "unknown-name", "timm-options", "dwc-on-sdpa", "dwc-1d"],
@@ -183,3 +183,12 @@ def test_authors_checkpoint_layout_gives_their_outputs():
     with torch.no_grad():
         torch.testing.assert_close(model.blocks[0].attn(x), authors_attention(block, x, heads=3))
         assert torch.isfinite(model(torch.randn(1, 3, 224, 224))).all()
+
+
+@pytest.mark.parametrize("name", [n for n in mita.attention.names() if n != "sdpa"])
+def test_convert_to_every_registered_method(name):
+    model = tiny_vit()
+    convert(model, name)
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randn(1, 3, 32, 32))).all()
+    revert(model)

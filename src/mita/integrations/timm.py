@@ -127,9 +127,12 @@ def _new_layer(old: nn.Module, attention: registry.Config | str, options: dict[s
     if name == "mita":
         options = {**method.defaults, "num_landmarks": 25, "topk": 25, **options}
         return MiTAVisionAttention(dim, heads, **kwargs, **options)
-    bad = sorted(set(options) & set(_VISION_OPTIONS))
+    valid = set(inspect.signature(method.op).parameters)
+    if method.layer is not None:
+        valid |= set(inspect.signature(method.layer.__init__).parameters)
+    bad = sorted(set(options) - valid)
     if bad:
-        raise ValueError(f"options {bad} belong to attention='mita', not {name!r}")
+        raise ValueError(f"attention {name!r} takes no options {bad}; its options: {sorted(valid - {'q', 'k', 'v'})}")
     return registry.build_layer({"name": name, **options}, dim, heads, **kwargs)
 
 
