@@ -117,9 +117,9 @@ def moba_attention(
     Hkv, Nk = k.shape[1], k.shape[2]
     G, nb = H // Hkv, math.ceil(Nk / block_size)
     pad = nb * block_size - Nk
-    real = F.pad(key_mask_of(cfg, k), (0, pad), value=False).view(B, nb, block_size)
-    kb = F.pad(k, (0, 0, 0, pad)).view(B, Hkv, nb, block_size * D)
-    vb = F.pad(v, (0, 0, 0, pad)).view(B, Hkv, nb, block_size * D)
+    real = F.pad(key_mask_of(cfg, k), (0, pad), value=False).reshape(B, nb, block_size)
+    kb = F.pad(k, (0, 0, 0, pad)).reshape(B, Hkv, nb, block_size * D)
+    vb = F.pad(v, (0, 0, 0, pad)).reshape(B, Hkv, nb, block_size * D)
     count = real.sum(-1)  # (B, nb)
     w = real.to(k.dtype)[:, None, :, :, None]
     means = (kb.view(B, Hkv, nb, block_size, D) * w).sum(3) / count.clamp(min=1)[:, None, :, None]

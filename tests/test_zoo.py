@@ -1,0 +1,453 @@
+"""The attention zoo: every method's efficient path against its reference, closed-form
+limits, masks, layers built by name, timm state dicts, and the taxonomy table."""
+
+from __future__ import annotations
+
+import csv
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from timm.models.vision_transformer import Attention as TimmAttention
+
+from mita import attention as registry
+from mita.cli import main as cli_main
+from mita.layers.agent import AgentAttention
+from mita.ops.agent import agent_attention, agent_attention_reference
+from mita.ops.linear import linear_attention, linear_attention_reference
+from mita.ops.moba import moba_attention, moba_attention_reference
+from mita.ops.nystrom import iterative_pinv, nystrom_attention, nystrom_attention_reference
+from mita.ops.sdpa import sdpa_attention
+from mita.ops.topk import topk_attention, topk_attention_reference
+
+F64 = torch.float64
+IMPLEMENTED = registry.names()
+CAUSAL = ["sdpa", "topk", "moba", "linear"]  # the registered ops with a causal form
+
+
+def qkv(B=2, H=4, Hkv=2, Nq=37, Nk=37, D=8, dtype=F64, device="cpu"):
+    """Random (B, H, Nq, D) queries and (B, Hkv, Nk, D) keys and values."""
+    q = torch.randn(B, H, Nq, D, dtype=dtype, device=device)
+    return (
+        q,
+        torch.randn(B, Hkv, Nk, D, dtype=dtype, device=device),
+        torch.randn(B, Hkv, Nk, D, dtype=dtype, device=device),
+    )
+
+
+def padding(B: int, N: int, lengths: list[int], device="cpu") -> torch.Tensor:
+    """Bool (B, N) mask with the first lengths[b] tokens real."""
+    return torch.arange(N, device=device)[None] < torch.tensor(lengths, device=device)[:, None]
+
+
+def dense(q, k, v, mask=None, causal=False):
+    """Softmax attention written out: GQA heads repeated, padded keys and (causal) future keys at -inf."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    logits = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    allowed = torch.ones(logits.shape[-2:], dtype=torch.bool)
+    if causal:
+        allowed = allowed.tril()
+    if mask is not None:
+        allowed = allowed & mask[:, None, None, :]
+    out = torch.softmax(logits.masked_fill(~allowed, float("-inf")), -1) @ v
+    return out if mask is None else out.masked_fill(~mask[:, None, :, None], 0)
+
+
+# --- efficient paths against their references (float64, odd shapes, GQA, masks, causal) ---
+
+PAIRS = {
+    "topk": (topk_attention, topk_attention_reference, {"topk": 5, "chunk_size": 7}),
+    "moba": (moba_attention, moba_attention_reference, {"block_size": 6, "topk": 2, "chunk_size": 5}),
+    "linear": (linear_attention, linear_attention_reference, {"chunk_size": 6}),
+    "agent": (agent_attention, agent_attention_reference, {"num_agents": 5}),
+    "agent_2d": (agent_attention, agent_attention_reference, {"num_agents": 4, "grid": (6, 6), "num_prefix_tokens": 1}),
+    "nystrom": (nystrom_attention, nystrom_attention_reference, {"num_landmarks": 5}),
+}
+CASES = [
+    pytest.param(name, mask, causal, id=f"{name}-{'mask' if mask else 'nomask'}{'-causal' if causal else ''}")
+    for name in PAIRS
+    for mask in (False, True)
+    for causal in ((False, True) if name in CAUSAL else (False,))
+]
+
+
+@pytest.mark.parametrize(("name", "masked", "causal"), CASES)
+def test_efficient_matches_reference(name, masked, causal, device):
+    fast, ref, options = PAIRS[name]
+    q, k, v = (t.requires_grad_() for t in qkv(device=device))
+    extra = {"causal": True} if causal else {}
+    mask = padding(2, 37, [37, 29], device) if masked else None
+    out = fast(q, k, v, key_padding_mask=mask, **options, **extra)
+    expected = ref(q, k, v, key_padding_mask=mask, **{o: x for o, x in options.items() if o != "chunk_size"}, **extra)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    for got, want in zip(grads, expected_grads):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("name", [n for n in PAIRS if n not in ("agent_2d",)])
+def test_cross_attention_matches_reference(name):
+    fast, ref, options = PAIRS[name]
+    q, k, v = qkv(Nq=23, Nk=41)
+    mask = padding(2, 41, [41, 30])
+    out = fast(q, k, v, key_padding_mask=mask, **options)
+    expected = ref(q, k, v, key_padding_mask=mask, **{o: x for o, x in options.items() if o != "chunk_size"})
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+
+
+# --- closed-form limits ---
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_topk_with_k_equal_n_is_softmax_attention(causal):
+    q, k, v = qkv()
+    mask = padding(2, 37, [37, 20])
+    out = topk_attention(q, k, v, topk=37, key_padding_mask=mask, causal=causal, chunk_size=8)
+    torch.testing.assert_close(out, dense(q, k, v, mask, causal))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("block_size", [1, 6, 37, 50], ids=lambda b: f"block{b}")
+def test_moba_with_every_block_selected_is_softmax_attention(block_size, causal):
+    q, k, v = qkv()
+    mask = padding(2, 37, [37, 25])
+    out = moba_attention(q, k, v, block_size=block_size, topk=37, key_padding_mask=mask, causal=causal)
+    torch.testing.assert_close(out, dense(q, k, v, mask, causal))
+
+
+def test_moba_causal_always_keeps_the_own_block():
+    """With one block per query the causal output is attention over the own block's past keys."""
+    q, k, v = qkv(H=2, Hkv=2, Nq=12, Nk=12)
+    out = moba_attention(q, k, v, block_size=4, topk=1, causal=True)
+    i = torch.arange(12)
+    own = (i[:, None] // 4 == i // 4) & (i <= i[:, None])
+    logits = (q @ k.transpose(-1, -2) / 8**0.5).masked_fill(~own, float("-inf"))
+    torch.testing.assert_close(out, torch.softmax(logits, -1) @ v)
+
+
+def test_mita_shared_is_attention_over_the_landmarks_compressed_values():
+    q, k, v = qkv(Hkv=4, Nq=30, Nk=30)
+    m, s = 6, 8**-0.5
+    out = registry.build_op("mita_shared:num_landmarks=6")(q, k, v)
+    landmarks = F.adaptive_avg_pool1d(q.flatten(0, 1).transpose(1, 2), m).transpose(1, 2).unflatten(0, (2, 4))
+    compressed = torch.softmax(s * landmarks @ k.transpose(-1, -2), -1) @ v  # (B, H, m, D)
+    expected = torch.softmax(s * q @ landmarks.transpose(-1, -2), -1) @ compressed
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(out, agent_attention(q, k, v, num_agents=m))  # the same closed form
+
+
+def test_mita_routed_with_k_equal_n_is_softmax_attention():
+    q, k, v = qkv(Nq=30, Nk=30)
+    out = registry.build_op("mita_routed:num_landmarks=4,topk=30")(q, k, v)
+    torch.testing.assert_close(out, sdpa_attention(q, k, v))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_linear_attention_is_the_normalised_kernel_matrix(causal):
+    q, k, v = qkv(H=2, Hkv=1, Nq=9, Nk=9, D=3)
+    phi_q, phi_k = torch.where(q > 0, q + 1, q.exp()), torch.where(k > 0, k + 1, k.exp())  # elu + 1
+    out = linear_attention(q, k, v, causal=causal, chunk_size=4)
+    for b, h, i in [(0, 0, 0), (1, 1, 4), (0, 1, 8)]:
+        w = torch.stack([phi_q[b, h, i] @ phi_k[b, 0, j] for j in range(9)])
+        if causal:
+            w[i + 1 :] = 0
+        torch.testing.assert_close(out[b, h, i], (w / w.sum()) @ v[b, 0])
+
+
+def test_nystrom_with_every_token_a_landmark_and_exact_pinv_is_softmax_attention():
+    q, k, v = qkv(Nq=20, Nk=20)
+    out = nystrom_attention(q, k, v, num_landmarks=20, pinv_iterations=None)
+    torch.testing.assert_close(out, sdpa_attention(q, k, v), rtol=1e-8, atol=1e-9)
+
+
+def test_iterative_pinv_converges_to_the_pseudo_inverse():
+    a = torch.softmax(torch.randn(3, 6, 6, dtype=F64), -1)
+    torch.testing.assert_close(iterative_pinv(a, 30), torch.linalg.pinv(a), rtol=1e-6, atol=1e-8)
+    assert (iterative_pinv(a, 6) @ a - torch.eye(6, dtype=F64)).abs().max() < 0.5  # 6 steps: approximate
+
+
+# --- every registered op: masks, dtypes, causality, dropout ---
+
+
+@pytest.mark.parametrize("name", IMPLEMENTED)
+def test_masked_sequence_equals_the_truncated_sequence(name):
+    """Padded tokens take no part: a padded sequence gives the truncated sequence's output, zeros after."""
+    op = registry.build_op({"name": name, **_small(name)})
+    q, k, v = qkv(B=2, Hkv=4, Nq=33, Nk=33)
+    mask = padding(2, 33, [33, 26])
+    out = op(q, k, v, key_padding_mask=mask)
+    alone = op(q[1:, :, :26], k[1:, :, :26], v[1:, :, :26])
+    torch.testing.assert_close(out[1, :, :26], alone[0])
+    assert (out[1, :, 26:] == 0).all()
+    torch.testing.assert_close(out[:1], op(q[:1], k[:1], v[:1]))
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+def test_causal_output_ignores_the_future(name):
+    op = registry.build_op({"name": name, **_small(name)})
+    q, k, v = qkv(Nq=24, Nk=24)
+    causal = {"is_causal": True}
+    out = op(q, k, v, **causal)
+    q2, k2, v2 = (t.clone() for t in (q, k, v))
+    for t in (q2, k2, v2):
+        t[:, :, 15:] = torch.randn_like(t[:, :, 15:])
+    torch.testing.assert_close(op(q2, k2, v2, **causal)[:, :, :15], out[:, :, :15])
+
+
+@pytest.mark.parametrize("name", IMPLEMENTED)
+def test_float32_matches_float64(name):
+    op = registry.build_op({"name": name, **_small(name)})
+    q, k, v = qkv(Nq=21, Nk=21)
+    out = op(q.float(), k.float(), v.float())
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), op(q, k, v), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", IMPLEMENTED)
+def test_dropout(name):
+    op = registry.build_op({"name": name, **_small(name)})
+    q, k, v = qkv(Nq=16, Nk=16)
+    if name in ("linear", "nystrom"):
+        with pytest.raises(ValueError, match="dropout_p"):
+            op(q, k, v, dropout_p=0.1)
+        return
+    assert not torch.allclose(op(q, k, v, dropout_p=0.5), op(q, k, v))
+
+
+# --- layers by name, timm compatibility ---
+
+
+def _small(name: str) -> dict:
+    """Options that make each method non-trivial at the tiny test sizes."""
+    return {
+        "mita": {"num_landmarks": 4, "topk": 5},
+        "mita_routed": {"num_landmarks": 4, "topk": 5},
+        "mita_shared": {"num_landmarks": 4},
+        "topk": {"topk": 5},
+        "moba": {"block_size": 4, "topk": 2},
+        "agent": {"num_agents": 4},
+        "nystrom": {"num_landmarks": 4},
+    }.get(name, {})
+
+
+@pytest.mark.parametrize("name", IMPLEMENTED)
+def test_every_method_builds_by_name_and_trains(name, device):
+    layer = registry.build_layer(name, 32, 4).to(device)
+    assert isinstance(layer, registry.AttentionLayer)
+    x = torch.randn(2, 17, 32, device=device, requires_grad=True)
+    mask = padding(2, 17, [17, 12], device)
+    out = layer(x, attn_mask=mask)
+    assert out.shape == x.shape
+    out.square().sum().backward()
+    assert torch.isfinite(x.grad).all()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in layer.parameters())
+    assert (out[1, 12:] == layer.proj.bias).all()  # padded rows: zero attention output, then proj
+
+
+@pytest.mark.parametrize("name", IMPLEMENTED)
+def test_timm_state_dict_loads_strictly(name):
+    timm_layer = TimmAttention(32, 4, qkv_bias=True)
+    layer = registry.build_layer(name, 32, 4, qkv_bias=True)
+    layer.load_state_dict(timm_layer.state_dict())
+    if name == "sdpa":  # same weights, same attention: same output as timm
+        x = torch.randn(2, 10, 32)
+        torch.testing.assert_close(layer(x), timm_layer(x))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"agent_bias": True, "grid": (4, 4), "num_prefix_tokens": 1, "num_agents": 4},
+        {"agent_bias": True, "seq_len": 17, "num_prefix_tokens": 1},
+        {"dwc": True, "grid": "auto", "num_prefix_tokens": 1, "num_agents": 4},
+        {"dwc": True},
+        {"agent_bias": True, "dwc": True, "grid": (4, 4), "num_prefix_tokens": 1, "num_agents": (2, 2)},
+    ],
+    ids=["bias-2d", "bias-1d", "dwc-2d", "dwc-1d", "bias-dwc"],
+)
+def test_agent_layer_options_load_timm_missing_only_their_parameters(options):
+    layer = registry.build_layer({"name": "agent", **options}, 32, 4)
+    extra = {n for n, _ in layer.named_parameters() if n.startswith(("agent_bias.", "dwc."))}
+    assert extra
+    result = layer.load_state_dict(TimmAttention(32, 4).state_dict(), strict=False)
+    assert set(result.missing_keys) == extra and not result.unexpected_keys
+    x = torch.randn(2, 17, 32, requires_grad=True)
+    mask = padding(2, 17, [17, 15])
+    out = layer(x, attn_mask=mask)
+    out.sum().backward()
+    assert (out[1, 15:] == layer.proj.bias).all()
+    assert all(torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
+def test_agent_layer_options_change_the_output():
+    """The bias and the convolution are used: zeroing them gives the plain layer's output."""
+    layer = AgentAttention(32, 4, agent_bias=True, dwc=True, grid=(4, 4), num_prefix_tokens=1, num_agents=4)
+    plain = AgentAttention(32, 4, grid=(4, 4), num_prefix_tokens=1, num_agents=4)
+    plain.load_state_dict(layer.state_dict(), strict=False)
+    x = torch.randn(2, 17, 32)
+    assert not torch.allclose(layer(x), plain(x))
+    with torch.no_grad():
+        for p in layer.agent_bias.parameters():
+            p.zero_()
+        layer.dwc.weight.zero_()
+        layer.dwc.bias.zero_()
+    torch.testing.assert_close(layer(x), plain(x))
+
+
+def test_agent_bias_is_row_plus_column():
+    layer = AgentAttention(16, 2, agent_bias=True, grid=(2, 3), num_agents=4)
+    bias = layer.agent_bias
+    aggregate, broadcast = bias(6)
+    assert aggregate.shape == (2, 4, 6) and broadcast.shape == (2, 6, 4)
+    torch.testing.assert_close(aggregate[1, 3, 1 * 3 + 2], bias.agent_row[1, 3, 1, 0] + bias.agent_col[1, 3, 0, 2])
+    torch.testing.assert_close(broadcast[0, 1 * 3 + 0, 2], bias.row_agent[0, 1, 0, 2] + bias.col_agent[0, 0, 0, 2])
+
+
+# --- errors ---
+
+
+@pytest.mark.parametrize("name", ["nope", "ttt", "deformable"])
+def test_unknown_or_unimplemented_names_list_the_valid_ones(name):
+    with pytest.raises(ValueError, match=f"{name}.*valid names: ") as err:
+        registry.build_layer(name, 32, 4)
+    assert all(n in str(err.value) for n in IMPLEMENTED)
+
+
+OP_ERRORS = [
+    (topk_attention, {"topk": 0}, ValueError, "topk"),
+    (topk_attention, {"topk": 3, "chunk_size": 0}, ValueError, "chunk_size"),
+    (topk_attention, {"topk": 3, "causal": True, "cross": True}, ValueError, "Nq == Nk"),
+    (topk_attention, {"topk": 3, "dropout_p": 1.0}, ValueError, "dropout_p"),
+    (moba_attention, {"block_size": 0, "topk": 1}, ValueError, "block_size"),
+    (moba_attention, {"block_size": 4, "topk": True}, ValueError, "topk"),
+    (moba_attention, {"block_size": 4, "topk": 1, "is_causal": True, "cross": True}, ValueError, "Nq == Nk"),
+    (linear_attention, {"dropout_p": 0.1}, ValueError, "dropout_p"),
+    (linear_attention, {"causal": True, "chunk_size": -1}, ValueError, "chunk_size"),
+    (linear_attention, {"causal": True, "cross": True}, ValueError, "Nq == Nk"),
+    (nystrom_attention, {"num_landmarks": 0}, ValueError, "num_landmarks"),
+    (nystrom_attention, {"num_landmarks": 4, "pinv_iterations": 0}, ValueError, "pinv_iterations"),
+    (nystrom_attention, {"num_landmarks": 4, "dropout_p": 0.2}, ValueError, "dropout_p"),
+    (agent_attention, {"num_agents": 0}, ValueError, "num_landmarks"),
+    (agent_attention, {"num_agents": 4, "grid": (3, 3)}, ValueError, "grid"),
+    (agent_attention, {"num_agents": 4, "aggregate_bias": torch.zeros(3, 4, 12)}, ValueError, "aggregate_bias"),
+    (agent_attention, {"num_agents": 4, "broadcast_bias": torch.zeros(4, 12, 5)}, ValueError, "broadcast_bias"),
+    (agent_attention, {"num_agents": 4, "broadcast_bias": "zero"}, TypeError, "broadcast_bias"),
+    (agent_attention, {"num_agents": 4, "key_padding_mask": torch.ones(2, 12)}, TypeError, "key_padding_mask"),
+    (
+        topk_attention,
+        {"topk": 2, "key_padding_mask": torch.ones(2, 11, dtype=torch.bool)},
+        ValueError,
+        "key_padding_mask",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("op", "options", "error", "match"),
+    OP_ERRORS,
+    ids=[f"{op.__name__}-{match}-{i}" for i, (op, _, _, match) in enumerate(OP_ERRORS)],
+)
+def test_op_errors_name_the_argument(op, options, error, match):
+    options = dict(options)
+    q, k, v = qkv(Nq=12, Nk=16 if options.pop("cross", False) else 12)
+    with pytest.raises(error, match=match):
+        op(q, k, v, **options)
+
+
+def test_ops_reject_bad_tensors():
+    q, k, v = qkv(Nq=12, Nk=12)
+    with pytest.raises(ValueError, match="multiple of the kv heads"):
+        topk_attention(q, k[:, :1].expand(-1, 3, -1, -1), v[:, :1].expand(-1, 3, -1, -1), topk=2)
+    with pytest.raises(TypeError, match="share one dtype"):
+        linear_attention(q, k.float(), v)
+    with pytest.raises(ValueError, match=r"\(B, H, N, D\)"):
+        moba_attention(q[0], k, v, block_size=4, topk=1)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"grid": 5}, "grid"),
+        ({"agent_bias": True}, "agent_bias needs a fixed token layout"),
+        ({"agent_bias": True, "grid": "auto"}, "agent_bias needs a fixed token layout"),
+        ({"num_prefix_tokens": -1}, "num_prefix_tokens"),
+    ],
+    ids=["grid", "bias-no-layout", "bias-auto-grid", "prefix"],
+)
+def test_agent_layer_errors(options, match):
+    with pytest.raises(ValueError, match=match):
+        AgentAttention(32, 4, **options)
+
+
+def test_agent_bias_rejects_another_length():
+    layer = AgentAttention(32, 4, agent_bias=True, seq_len=10, num_agents=4)
+    with pytest.raises(ValueError, match="built for N=10 tokens, got N=12"):
+        layer(torch.randn(1, 12, 32))
+
+
+def test_non_causal_layer_refuses_is_causal():
+    with pytest.raises(NotImplementedError, match="causal"):
+        registry.build_layer("agent", 32, 4)(torch.randn(1, 8, 32), is_causal=True)
+    layer = registry.build_layer("moba:block_size=4,topk=1,causal=True", 32, 4)
+    assert layer(torch.randn(1, 8, 32), is_causal=True).shape == (1, 8, 32)
+
+
+def test_config_strings_take_tuples():
+    assert registry.parse("agent:grid=(4, 4),num_agents=[2,2],dwc=True") == (
+        "agent",
+        {"grid": (4, 4), "num_agents": [2, 2], "dwc": True},
+    )
+
+
+# --- the taxonomy ---
+
+
+def test_taxonomy_rows_have_five_filled_dimensions():
+    rows = list(csv.DictReader(io.StringIO(registry.taxonomy_table("csv"))))
+    assert [r["method"] for r in rows] == registry.names(implemented=False)
+    assert {r["method"] for r in rows if r["implemented"] == "no"} >= {
+        "ttt", "linformer", "nsa", "deformable", "swin", "performer"
+    }  # fmt: skip
+    assert {r["method"] for r in rows if r["implemented"] == "yes"} == set(IMPLEMENTED)
+    for row in rows:
+        assert all(row[f].strip() for f in registry.Taxonomy.FIELDS), row
+        assert row["cost per head (FLOPs)"].strip(), row
+        assert row["paper"].strip(), row
+
+
+def test_mita_taxonomy_row():
+    row = next(r for r in csv.DictReader(io.StringIO(registry.taxonomy_table("csv"))) if r["method"] == "mita")
+    assert [row[f] for f in registry.Taxonomy.FIELDS] == [
+        "compression + routing", "m", "MLP (softmax)", "content-dependent (landmark probing)", "N-to-m"
+    ]  # fmt: skip
+
+
+def test_taxonomy_command_prints_markdown(capsys):
+    assert cli_main(["taxonomy"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| method | implemented | scaling |")
+    assert len(lines) == 2 + len(registry.names(implemented=False))
+    assert any(line.startswith("| nsa | no | compression + routing |") for line in lines)
+
+
+@pytest.mark.parametrize("name", IMPLEMENTED)
+def test_flops_follow_the_cost_model(name):
+    n, d = 4096, 64
+    dense = registry.flops("sdpa", n, d)
+    cost = registry.flops(name, n, d)
+    assert cost is not None and cost > 0
+    if name not in ("sdpa", "topk"):  # sub-quadratic methods: well under dense attention at N = 4096
+        assert cost < dense / 4
+        assert registry.flops(name, 2 * n, d) < 2.5 * cost
+
+
+def test_flops_closed_forms():
+    assert registry.flops("mita", 1024, 64) == 1024 * 64 * (8 * 64 + 4 * 64)
+    assert registry.flops("mita_shared:num_landmarks=16", 1024, 64) == 1024 * 64 * 8 * 16
+    assert registry.flops("mita_routed:num_landmarks=16,topk=8", 1024, 64) == 1024 * 64 * (4 * 16 + 4 * 8)
+    assert registry.flops("topk:topk=1024", 1024, 64) == registry.flops("sdpa", 1024, 64)
+    assert registry.flops("linear", 1024, 64) == 4 * 1024 * 64 * 64 + 4 * 1024 * 64
+    assert registry.flops("moba:block_size=64,topk=16", 1024, 64) == 2 * 1024 * 16 * 64 + 4 * 1024 * 1024 * 64
