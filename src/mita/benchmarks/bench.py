@@ -1,10 +1,438 @@
-"""``mita bench``: placeholder until the benchmark suite lands."""
+"""``mita bench``: time, throughput and peak memory of every registered attention against N.
+
+Methods come from the registry (:mod:`mita.attention`), so a newly registered method is
+benchmarked with no change here. Each point (method, options, N, mode) is measured by
+:func:`mita.benchmarks.timing.measure` and compared with the baseline (SDPA) measured at
+the same shape in the same run. Results go to an output folder: ``results.csv`` (every
+measurement, appended as it is taken so ``--resume`` can continue an interrupted run),
+``results.md``, ``time.png``, ``speedup.png``, ``memory.png`` and ``machine.json``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import inspect
+import itertools
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import attention
+from .report import (
+    FIELDS,
+    OK,
+    CsvLog,
+    Row,
+    fmt,
+    machine_info,
+    markdown_table,
+    num,
+    plot,
+    ratios,
+    read_rows,
+    session_info,
+)
+from .timing import DTYPES, MODES, Case, measure
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named benchmark: the shapes, the lengths and the options it gives every method that takes them."""
+
+    batch: int
+    heads: int
+    head_dim: int
+    lengths: tuple[int, ...]
+    options: Mapping[str, Any]
+    per_length: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)  # extra options at one length
+    fixed_lengths: bool = False  # --lengths does not apply
+    budget_s: float = 1.0
+
+    def options_at(self, n: int) -> dict[str, Any]:
+        return {**self.options, **self.per_length.get(n, {})}
+
+
+PRESETS = {
+    # spec section 4: B=1, H=8, D=64, float32, m=k=64, s=1, N from 1,024 to 65,536
+    "standard": Preset(
+        1, 8, 64, tuple(2**i for i in range(10, 17)), {"num_landmarks": 64, "topk": 64, "num_routed": 1}
+    ),
+    # DeiT at 224 px (1 CLS token + 14x14 patches, m=k=25) and segmentation at 512 px (1 + 32x32, m=k=49)
+    "vision": Preset(
+        1,
+        8,
+        64,
+        (197, 1025),
+        {"num_routed": 1, "num_prefix_tokens": 1},
+        per_length={
+            197: {"num_landmarks": 25, "topk": 25, "grid": (14, 14)},
+            1025: {"num_landmarks": 49, "topk": 49, "grid": (32, 32)},
+        },
+        fixed_lengths=True,
+    ),
+    # a smoke run for CI: tiny shapes, a few seconds in all
+    "quick": Preset(1, 2, 16, (128, 256), {"num_landmarks": 8, "topk": 8, "num_routed": 1}, budget_s=0.01),
+}
+
+
+@dataclass(frozen=True)
+class Series:
+    """One line of the plots: a registered method with the options the user gave it (config and sweep)."""
+
+    label: str
+    method: attention.Method
+    options: Mapping[str, Any]
+
+    def options_at(self, preset: Preset, n: int) -> dict[str, Any]:
+        """The call's options: the method's defaults < the preset's (those it takes) < the user's."""
+        from_preset = {k: v for k, v in preset.options_at(n).items() if accepts(self.method, k)}
+        return {**self.method.defaults, **from_preset, **self.options}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How each point is measured (see :func:`mita.benchmarks.timing.measure`)."""
+
+    budget_s: float = 1.0
+    warmup: int = 1
+    min_repeats: int = 3
+    max_repeats: int = 100
+    memory: bool = True
+    seed: int = 0
+
+
+def accepts(method: attention.Method, key: str) -> bool:
+    """Whether the method's op takes the keyword option ``key``."""
+    params = inspect.signature(method.op).parameters
+    return key in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def format_options(options: Mapping[str, Any]) -> str:
+    return ",".join(f"{k}={v!r}" for k, v in sorted(options.items()))
+
+
+def make_series(config: str, sweep: Mapping[str, Any] | None = None) -> Series:
+    """The series of a config like ``mita:topk=32``, with sweep values for the options the method takes."""
+    name, options = attention.parse(config)
+    method = attention.get(name)  # the registry's error lists the valid names
+    for key in options:
+        if not accepts(method, key):
+            valid = [p for p in inspect.signature(method.op).parameters if p not in ("q", "k", "v")]
+            raise ValueError(f"{key!r} in {config!r} is not an option of {name!r}; its options: {', '.join(valid)}")
+    options.update({k: v for k, v in (sweep or {}).items() if accepts(method, k)})
+    label = name + (":" + format_options(options) if options else "")
+    return Series(label, method, options)
+
+
+def expand_series(configs: Sequence[str], baseline: str, sweeps: Mapping[str, Sequence[Any]]) -> list[Series]:
+    """The baseline first, then every config once per combination of the sweep values it takes."""
+    for key in sweeps:
+        if not any(accepts(attention.get(attention.parse(c)[0]), key) for c in configs):
+            raise ValueError(f"--sweep {key}: none of the methods {list(configs)} takes the option {key!r}")
+    combos = [dict(zip(sweeps, values)) for values in itertools.product(*sweeps.values())]
+    series = {}
+    for s in [make_series(baseline), *(make_series(c, combo) for c in configs for combo in combos)]:
+        series.setdefault(s.label, s)
+    return list(series.values())
+
+
+def parse_assignments(items: Sequence[str], flag: str) -> dict[str, str]:
+    """``KEY=VALUE`` items into a dict; a ValueError names the flag otherwise."""
+    out = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key or not value:
+            raise ValueError(f"{flag} takes KEY=VALUE items, got {item!r}")
+        out[key] = value
+    return out
+
+
+def parse_sweeps(items: Sequence[str]) -> dict[str, list[Any]]:
+    """``--sweep topk=16,32,64`` into ``{"topk": [16, 32, 64]}``."""
+    sweeps = {}
+    for key, values in parse_assignments(items, "--sweep").items():
+        sweeps[key] = [attention.parse(f"x:{key}={v}")[1][key] for v in values.split(",") if v.strip()]
+    return sweeps
+
+
+def parse_caps(items: Sequence[str]) -> dict[str, int]:
+    """``--max-n-per-method sdpa=16384`` into ``{"sdpa": 16384}``; names must be registered."""
+    caps = {}
+    for name, value in parse_assignments(items, "--max-n-per-method").items():
+        attention.get(name)
+        if not value.isdigit():
+            raise ValueError(f"--max-n-per-method {name}={value}: the cap must be a whole number of tokens")
+        caps[name] = int(value)
+    return caps
+
+
+def new_row(series: Series, options: Mapping[str, Any], case: Case, mode: str, session: str) -> Row:
+    """The row of a point before it is measured: what, where, and the options of the call."""
+    row = dict.fromkeys(FIELDS, "")
+    row.update(
+        session=session, device=case.device, dtype=case.dtype, batch=str(case.batch), heads=str(case.heads),
+        head_dim=str(case.head_dim), series=series.label, method=series.method.name,
+        options=format_options(options), n=str(case.n), mode=mode,
+    )  # fmt: skip
+    flops = attention.flops({"name": series.method.name, **options}, case.n, case.head_dim)
+    row["model_flops"] = fmt(None if flops is None else flops * case.batch * case.heads)
+    return row
+
+
+def measure_row(row: Row, options: Mapping[str, Any], case: Case, settings: Settings) -> Row:
+    """Measure the point of ``row`` (made by :func:`new_row`); the ratios to the baseline are not set."""
+    op = attention.build_op({"name": row["method"], **options})
+    m = measure(
+        op, case, row["mode"], budget_s=settings.budget_s, warmup=settings.warmup,
+        min_repeats=settings.min_repeats, max_repeats=settings.max_repeats, memory=settings.memory,
+        seed=settings.seed,
+    )  # fmt: skip
+    return {
+        **row, "status": OK, "median_s": fmt(m.median_s), "repeats": str(m.repeats),
+        "tokens_per_s": fmt(case.batch * case.n / m.median_s), "peak_bytes": fmt(m.peak_bytes),
+        "reference_bytes": fmt(m.reference_bytes),
+        "memory_ratio": fmt(m.peak_bytes / m.reference_bytes if m.peak_bytes is not None else None),
+    }  # fmt: skip
+
+
+def add_ratios(row: Row, baseline_row: Row | None) -> Row:
+    """The row with its speed-up over the baseline row (if measured) and the FLOP model's ideal."""
+    if row["status"] != OK:
+        return row
+    base = baseline_row or {}
+    base_s = num(base["median_s"]) if base.get("status") == OK else None
+    return {**row, **ratios(float(row["median_s"]), base_s, num(row["model_flops"]), num(base.get("model_flops", "")))}
+
+
+def _key(row: Row) -> tuple[str, ...]:
+    return tuple(row[f] for f in ("device", "dtype", "batch", "heads", "head_dim", "series", "options", "n", "mode"))
+
+
+def prepare_out_dir(out: str | None, *, force: bool, resume: bool) -> Path:
+    """The output folder: refuses a non-empty one unless ``force`` (overwrite) or ``resume`` (continue)."""
+    if out is None:
+        if resume:
+            raise ValueError("--resume needs --out DIR, the folder of the run to continue")
+        path = Path("bench-results") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        while path.exists():
+            path = path.with_name(path.name + "+")
+    else:
+        path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {path} is a file; give a folder")
+    if resume and not (path / "results.csv").is_file():
+        raise FileNotFoundError(f"--resume: {path / 'results.csv'} does not exist; run without --resume first")
+    if not resume and not force and path.is_dir() and any(path.iterdir()):
+        raise ValueError(
+            f"--out {path} exists and is not empty; pass --force to overwrite its results, "
+            "--resume to continue that run, or give a new folder"
+        )
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def record_machine(path: Path, device: str, session: str, *, resume: bool) -> dict[str, Any]:
+    """Write machine.json; a resumed run must be on the same machine, threads and torch."""
+    info = {"machine": machine_info(device), "sessions": [session_info(session)]}
+    if resume and path.exists():
+        old = json.loads(path.read_text())
+        if old.get("machine") != info["machine"]:
+            raise ValueError(
+                f"--resume: this machine or setup differs from the one in {path} "
+                f"({old.get('machine')} vs {info['machine']}); start a new folder instead of mixing them"
+            )
+        info["sessions"] = [*old.get("sessions", []), *info["sessions"]]
+    path.write_text(json.dumps(info, indent=2) + "\n")
+    return info
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="speed and memory benchmarks (not available yet)")
-    p.set_defaults(func=lambda args: print("mita bench: not available yet") or 1)
+    p = sub.add_parser(
+        "bench",
+        help="time, throughput and peak memory of the attention methods against sequence length",
+        description="Benchmark registered attention methods against SDPA (see docs/performance.md).",
+    )
+    p.add_argument("--methods", nargs="+", metavar="CONFIG", help="configs like mita 'mita:topk=32' (default: all)")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="shapes and options (default: standard)")
+    p.add_argument("--quick", action="store_true", help="the 'quick' preset: a smoke run of a few seconds")
+    p.add_argument("--lengths", type=int, nargs="+", metavar="N", help="sequence lengths (default: the preset's)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="forward, forward+backward")
+    p.add_argument("--sweep", nargs="+", default=[], metavar="KEY=V1,V2", help="e.g. topk=16,32,64 (product)")
+    p.add_argument("--max-n-per-method", nargs="+", default=[], metavar="NAME=N", help="e.g. sdpa=16384")
+    p.add_argument("--baseline", default="sdpa", metavar="CONFIG", help="the method ratios are taken to")
+    p.add_argument("--batch", type=int, help="B (default: the preset's)")
+    p.add_argument("--heads", type=int, help="H (default: the preset's)")
+    p.add_argument("--head-dim", type=int, help="D (default: the preset's)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's, all cores)")
+    p.add_argument("--budget", type=float, help="seconds of timed calls per point (default: the preset's)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls before measuring")
+    p.add_argument("--min-repeats", type=int, default=3)
+    p.add_argument("--max-repeats", type=int, default=100)
+    p.add_argument("--no-memory", action="store_true", help="skip the (untimed) peak memory call")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", metavar="DIR", help="output folder (default: bench-results/<date-time>)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--force", action="store_true", help="overwrite the results in a non-empty --out")
+    g.add_argument("--resume", action="store_true", help="continue the run in --out, skipping measured points")
+    p.set_defaults(func=run)
+
+
+def _positive(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A checked benchmark: what to measure (series x lengths x modes) and how."""
+
+    preset: Preset
+    series: list[Series]  # the baseline first
+    lengths: tuple[int, ...]
+    modes: tuple[str, ...]
+    shape: Mapping[str, int]  # batch, heads, head_dim
+    caps: Mapping[str, int]
+    settings: Settings
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    """Check every argument before anything is measured or written."""
+    if args.quick and args.preset not in (None, "quick"):
+        raise ValueError(f"--quick is the 'quick' preset; it cannot be combined with --preset {args.preset}")
+    preset_name = "quick" if args.quick else args.preset or "standard"
+    preset = PRESETS[preset_name]
+    if args.lengths and preset.fixed_lengths:
+        raise ValueError(f"the {preset_name!r} preset has fixed lengths {preset.lengths}; drop --lengths")
+    _positive(args, "batch", "heads", "head_dim", "threads", "max_repeats", "min_repeats")
+    if args.lengths and min(args.lengths) < 1:
+        raise ValueError(f"--lengths must be positive, got {args.lengths}")
+    if not args.device.startswith(("cpu", "cuda")):
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
+    settings = Settings(
+        budget_s=preset.budget_s if args.budget is None else args.budget, warmup=args.warmup,
+        min_repeats=args.min_repeats, max_repeats=args.max_repeats, memory=not args.no_memory, seed=args.seed,
+    )  # fmt: skip
+    if settings.budget_s < 0 or settings.warmup < 0 or settings.max_repeats < settings.min_repeats:
+        raise ValueError("--budget and --warmup must be >= 0, and --max-repeats >= --min-repeats")
+    return Plan(
+        preset=preset,
+        series=expand_series(args.methods or attention.names(), args.baseline, parse_sweeps(args.sweep)),
+        lengths=tuple(args.lengths or preset.lengths),
+        modes=tuple(dict.fromkeys(args.modes)),
+        shape={k: getattr(args, k) or getattr(preset, k) for k in ("batch", "heads", "head_dim")},
+        caps=parse_caps(args.max_n_per_method),
+        settings=settings,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark the arguments describe; 1 if a point failed, else 0."""
+    plan = make_plan(args)
+    out_dir = prepare_out_dir(args.out, force=args.force, resume=args.resume)
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        session = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
+        record_machine(out_dir / "machine.json", args.device, session, resume=args.resume)
+        rows = {_key(r): r for r in read_rows(out_dir / "results.csv")} if args.resume else {}
+        failures = _measure_all(plan, args.dtype, args.device, session, rows, out_dir / "results.csv")
+    finally:
+        torch.set_num_threads(threads)
+    final = sorted(rows.values(), key=lambda r: (int(r["n"]), MODES.index(r["mode"]), _order(plan.series, r)))
+    _write_reports(final, out_dir, plan.series[0].label, plots=not args.no_plots)
+    print(f"mita bench: results in {out_dir}/ (results.csv, results.md{', *.png' if not args.no_plots else ''})")
+    if failures:
+        print(f"mita bench: {failures} point(s) failed; see the status column")
+    return 1 if failures else 0
+
+
+def _measure_all(
+    plan: Plan, dtype: str, device: str, session: str, rows: dict[tuple[str, ...], Row], csv_path: Path
+) -> int:
+    """Measure every point of the plan not in ``rows`` already, appending each row to the CSV; the failures."""
+    from tqdm import tqdm
+
+    failures = 0
+    log = CsvLog(csv_path, append=bool(rows))
+    tasks = [(n, mode, s) for n in plan.lengths for mode in plan.modes for s in plan.series]
+    try:
+        bar = tqdm(tasks, desc="mita bench", unit="point", dynamic_ncols=True)
+        for n, mode, s in bar:
+            case = Case(plan.shape["batch"], plan.shape["heads"], n, plan.shape["head_dim"], dtype, device)
+            bar.set_postfix_str(f"{s.label} N={n} {mode}")
+            options = s.options_at(plan.preset, n)
+            row = new_row(s, options, case, mode, session)
+            if (old := rows.get(_key(row))) is not None and old["status"] == OK:
+                continue  # measured by the run being resumed
+            row = _task_row(row, options, case, plan.settings, plan.caps)
+            base = plan.series[0]
+            base_key = _key(new_row(base, base.options_at(plan.preset, n), case, mode, session))
+            row = add_ratios(row, row if base_key == _key(row) else rows.get(base_key))
+            failures += row["status"].startswith("failed")
+            rows[_key(row)] = row
+            log.write(row)
+            bar.write(_summary(row))
+    finally:
+        log.close()
+    return failures
+
+
+def _order(series: Sequence[Series], row: Row) -> int:
+    labels = [s.label for s in series]
+    return labels.index(row["series"]) if row["series"] in labels else len(labels)
+
+
+def _task_row(row: Row, options: Mapping[str, Any], case: Case, settings: Settings, caps: Mapping[str, int]) -> Row:
+    """The row measured, or marked as skipped by a cap, or as failed."""
+    cap = caps.get(row["method"])
+    if cap is not None and case.n > cap:
+        return {**row, "status": f"not measured (N > {cap}, --max-n-per-method)"}
+    try:
+        return measure_row(row, options, case, settings)
+    except Exception as err:  # a method that fails at one point (e.g. out of memory) must not end the run
+        message = str(err).splitlines()[0][:200] if str(err) else ""
+        return {**row, "status": f"failed: {type(err).__name__}: {message}"}
+
+
+def _summary(row: Row) -> str:
+    what = f"{row['series']:<24} N={row['n']:>6} {row['mode']:<6}"
+    if row["status"] != OK:
+        return f"{what} {row['status']}"
+    extra = f"  {float(row['speedup']):.2f}x" if row["speedup"] else ""
+    return f"{what} {float(row['median_s']) * 1e3:10.2f} ms{extra}"
+
+
+def _write_reports(rows: Sequence[Row], out_dir: Path, baseline: str, *, plots: bool) -> None:
+    machine = json.loads((out_dir / "machine.json").read_text())
+    info = machine["machine"]
+    sessions = machine["sessions"]
+    header = (
+        f"# mita bench\n\nMachine: {info['cpu_model']}, {info['usable_cpus']} usable CPUs, "
+        f"{info['torch_threads']} torch threads, torch {info['torch']}"
+        + (f", {info['cuda_device']}" if info["cuda_device"] else "")
+        + f", device {info['device']}.\n\nCommand: `{' '.join(sessions[-1]['command'])}`"
+        + f" ({len(sessions)} session{'s' * (len(sessions) > 1)}; load average at start "
+        + ", ".join(str(s["load_average_at_start"]) for s in sessions)
+        + f").\n\nSpeed-ups are over `{baseline}` at the same shape; ideal is the FLOP model's.\n\n"
+    )
+    (out_dir / "results.md").write_text(header + markdown_table(rows))
+    if not plots:
+        return
+    try:
+        plot(rows, out_dir, baseline)
+    except ImportError:
+        print("mita bench: plots skipped: matplotlib is not installed (pip install 'mita[plot]')")

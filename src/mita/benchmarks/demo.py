@@ -1,44 +1,84 @@
-"""``mita demo``: MiTA against SDPA on a few sequence lengths, printed as a table."""
+"""``mita demo``: the fast path agrees with the reference, and MiTA against SDPA at a few lengths.
+
+A short, real run (well under a minute on two cores): the agreement of the default
+implementation with the spec's reference on a small float64 case (output and gradients),
+then a table of the forward time, peak memory and speed-up of MiTA over SDPA in the
+standard configuration (spec section 4), measured like ``mita bench`` does.
+"""
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
-import torch.nn.functional as F
+
+from .bench import PRESETS, Settings, add_ratios, make_series, measure_row, new_row
+from .report import markdown_table
+from .timing import Case
+
+AGREEMENT_TOL = 1e-9  # float64; the paths differ only in the order of sums
+DEMO_COLUMNS = ("n", "series", "time", "peak", "memory_ratio", "speedup", "ideal")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="a short demonstration: MiTA against SDPA")
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192])
+    p = sub.add_parser("demo", help="a short demonstration: agreement with the reference, MiTA against SDPA")
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192], metavar="N")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's, all cores)")
     p.set_defaults(func=run)
 
 
-def _median_time(fn, repeats: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+def agreement(n: int = 300, seed: int = 0) -> tuple[float, float]:
+    """Max abs difference of the default implementation from the reference: (output, gradients), float64."""
+    from ..ops.mita import mita_attention
+
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 2, n, 32, dtype=torch.float64, generator=gen).requires_grad_() for _ in range(3))
+    opts = {"num_landmarks": 16, "topk": 16, "num_routed": 2}
+    outs, grads = [], []
+    for impl in ("auto", "reference"):
+        out = mita_attention(q, k, v, **opts, impl=impl)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+    out_err = (outs[0] - outs[1]).abs().max().item()
+    grad_err = max((a - b).abs().max().item() for a, b in zip(*grads))
+    return out_err, grad_err
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..ops.mita import mita_attention
-
-    torch.manual_seed(0)
-    q, k, v = torch.randn(3, 1, 2, 300, 32, dtype=torch.float64)
-    opts = dict(num_landmarks=16, topk=16, num_routed=2)
-    err = (mita_attention(q, k, v, **opts) - mita_attention(q, k, v, **opts, impl="reference")).abs().max()
-    print(f"agreement with the reference (N=300, float64): max abs error {err:.2e}")
-    print("| N | SDPA (ms) | MiTA (ms) | speed-up |\n|---|---|---|---|")
-    with torch.inference_mode():
+    if min(args.lengths) < 1 or (args.threads is not None and args.threads < 1):
+        raise ValueError(f"--lengths and --threads must be positive, got {args.lengths} and {args.threads}")
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        used_threads = torch.get_num_threads()
+        out_err, grad_err = agreement()
+        print(
+            "Agreement of the fast path with the reference (N=300, m=k=16, s=2, float64): "
+            f"max abs error {out_err:.1e} (output), {grad_err:.1e} (gradients)\n"
+        )
+        preset = PRESETS["standard"]
+        sdpa, mita = make_series("sdpa"), make_series("mita")
+        settings = Settings(budget_s=0.5)
+        rows = []
         for n in args.lengths:
-            q, k, v = torch.randn(3, 1, 8, n, 64)
-            t_sdpa = _median_time(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v))
-            t_mita = _median_time(lambda q=q, k=k, v=v: mita_attention(q, k, v, num_landmarks=64, topk=64))
-            print(f"| {n} | {t_sdpa * 1e3:.1f} | {t_mita * 1e3:.1f} | {t_sdpa / t_mita:.1f}x |")
+            case = Case(preset.batch, preset.heads, n, preset.head_dim)
+            base = None
+            for series in (sdpa, mita):
+                options = series.options_at(preset, n)
+                row = measure_row(new_row(series, options, case, "fwd", "demo"), options, case, settings)
+                base = base or row
+                rows.append(add_ratios(row, base))
+    finally:
+        torch.set_num_threads(threads)
+    print(
+        f"Forward pass, B={preset.batch}, H={preset.heads}, D={preset.head_dim}, float32, m=k=64, s=1, "
+        f"{used_threads} threads "
+        "(peak / ref: peak memory over the size of q, k, v and the output):\n"
+    )
+    print(markdown_table(rows, DEMO_COLUMNS))
+    print("More: `mita bench` (forward and backward, all methods, plots); see docs/performance.md.")
+    if max(out_err, grad_err) > AGREEMENT_TOL:
+        print(f"mita demo: the fast path differs from the reference by more than {AGREEMENT_TOL:g}")
+        return 1
     return 0

@@ -1,0 +1,196 @@
+"""The benchmark's outputs: CSV rows, the derived ratios, the markdown table, the plots, the machine.
+
+A row is a ``dict[str, str]`` with the keys :data:`FIELDS`, the form it has in the CSV
+file, so a resumed run reads back exactly what an earlier run wrote.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import platform
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+FIELDS = (
+    "session", "device", "dtype", "batch", "heads", "head_dim", "series", "method", "options", "n", "mode",
+    "status", "median_s", "repeats", "tokens_per_s", "peak_bytes", "reference_bytes", "memory_ratio",
+    "model_flops", "speedup", "ideal_speedup", "fraction_of_ideal",
+)  # fmt: skip
+OK = "ok"
+Row = dict[str, str]
+
+
+def fmt(x: float | int | None) -> str:
+    """A CSV cell: empty for None, integers as is, floats to 6 significant digits."""
+    if x is None:
+        return ""
+    return str(x) if isinstance(x, int) else f"{x:.6g}"
+
+
+def num(cell: str) -> float | None:
+    """The inverse of :func:`fmt` for numbers."""
+    return float(cell) if cell else None
+
+
+def ratios(median_s: float, baseline_s: float | None, flops: float | None, baseline_flops: float | None) -> Row:
+    """Speed-up over the baseline, the FLOP model's ideal speed-up, and the fraction of it achieved."""
+    speedup = baseline_s / median_s if baseline_s is not None else None
+    ideal = baseline_flops / flops if flops and baseline_flops else None
+    fraction = speedup / ideal if speedup is not None and ideal is not None else None
+    return {"speedup": fmt(speedup), "ideal_speedup": fmt(ideal), "fraction_of_ideal": fmt(fraction)}
+
+
+def read_rows(path: Path) -> list[Row]:
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        if tuple(reader.fieldnames or ()) != FIELDS:
+            raise ValueError(f"{path} is not a results file of this version of mita bench (columns differ)")
+        return list(reader)
+
+
+class CsvLog:
+    """Appends rows to the CSV file one at a time, flushed, so an interrupted run can resume."""
+
+    def __init__(self, path: Path, *, append: bool) -> None:
+        new = not (append and path.exists())
+        self._file = path.open("w" if new else "a", newline="")
+        self._writer = csv.DictWriter(self._file, fieldnames=FIELDS)
+        if new:
+            self._writer.writeheader()
+
+    def write(self, row: Row) -> None:
+        self._writer.writerow(row)
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+_COLUMNS: dict[str, tuple[str, Callable[[Row], str]]] = {
+    "series": ("method", lambda r: r["series"]),
+    "options": ("options", lambda r: r["options"]),
+    "n": ("N", lambda r: r["n"]),
+    "mode": ("mode", lambda r: r["mode"]),
+    "time": ("time (ms)", lambda r: f"{float(r['median_s']) * 1e3:.2f}" if r["status"] == OK else r["status"]),
+    "repeats": ("repeats", lambda r: r["repeats"]),
+    "tokens": ("tokens/s", lambda r: f"{float(r['tokens_per_s']):,.0f}" if r["tokens_per_s"] else ""),
+    "peak": ("peak (MiB)", lambda r: f"{float(r['peak_bytes']) / 2**20:.1f}" if r["peak_bytes"] else ""),
+    "memory_ratio": ("peak / ref", lambda r: f"{float(r['memory_ratio']):.2f}" if r["memory_ratio"] else ""),
+    "speedup": ("speed-up", lambda r: f"{float(r['speedup']):.2f}x" if r["speedup"] else ""),
+    "ideal": ("ideal", lambda r: f"{float(r['ideal_speedup']):.1f}x" if r["ideal_speedup"] else ""),
+    "fraction": ("of ideal", lambda r: f"{float(r['fraction_of_ideal']):.0%}" if r["fraction_of_ideal"] else ""),
+}
+TABLE_COLUMNS = tuple(_COLUMNS)
+
+
+def markdown_table(rows: Iterable[Row], columns: Sequence[str] = TABLE_COLUMNS) -> str:
+    """A markdown table of the rows with the given columns (keys of ``_COLUMNS``)."""
+    unknown = [c for c in columns if c not in _COLUMNS]
+    if unknown:
+        raise ValueError(f"unknown table columns {unknown}; valid: {list(_COLUMNS)}")
+    head = [_COLUMNS[c][0] for c in columns]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(_COLUMNS[c][1](r) for c in columns) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def machine_info(device: str) -> dict[str, object]:
+    """What the numbers depend on: CPU model, cores, threads, torch, CUDA device."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info: dict[str, object] = {
+        "cpu_model": cpu,
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": device,
+        "cuda_device": torch.cuda.get_device_name(device) if device.startswith("cuda") else None,
+        "cuda_version": torch.version.cuda if device.startswith("cuda") else None,
+    }
+    return info
+
+
+def session_info(session: str) -> dict[str, object]:
+    """When and how this run was started, and how busy the machine was (1, 5, 15-minute load)."""
+    return {
+        "session": session,
+        "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": sys.argv,
+        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def _series(rows: Iterable[Row], mode: str, value: Callable[[Row], float | None]) -> dict[str, list[tuple]]:
+    """Per series, the (n, value) points of ``mode`` that have a value, sorted by n."""
+    out: dict[str, list[tuple]] = {}
+    for r in rows:
+        if r["mode"] == mode and r["status"] == OK and (y := value(r)) is not None:
+            out.setdefault(r["series"], []).append((int(r["n"]), y))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def plot(rows: Sequence[Row], out_dir: Path, baseline: str) -> list[Path]:
+    """Log-log plots against N, one panel per mode: time.png, speedup.png (with the ideal), memory.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    modes = [m for m in ("fwd", "fwdbwd") if any(r["mode"] == m for r in rows)]
+    colors = {s: f"C{i % 10}" for i, s in enumerate(dict.fromkeys(r["series"] for r in rows))}
+    lengths = sorted({int(r["n"]) for r in rows})
+    specs = {
+        "time.png": ("median time per call (s)", lambda r: num(r["median_s"]), None),
+        "speedup.png": (f"speed-up over {baseline}", lambda r: num(r["speedup"]), lambda r: num(r["ideal_speedup"])),
+        "memory.png": ("peak memory (MiB)", lambda r: _mib(r["peak_bytes"]), lambda r: _mib(r["reference_bytes"])),
+    }
+    paths = []
+    for name, (ylabel, value, dashed) in specs.items():
+        fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.8), squeeze=False)
+        for ax, mode in zip(axes[0], modes):
+            for series, pts in _series(rows, mode, value).items():
+                if not (name == "speedup.png" and series == baseline):
+                    ax.plot(*zip(*pts), "o-", color=colors[series], label=series)
+            extra = _series(rows, mode, dashed) if dashed else {}
+            if name == "speedup.png":
+                for series, pts in extra.items():
+                    ax.plot(*zip(*pts), "--", color=colors[series], alpha=0.5)
+                ax.add_line(Line2D([], [], ls="--", color="grey", label="ideal (FLOP model)"))
+            elif extra:  # the reference size is the same for every method
+                ref = "q, k, v, out" + (" + their gradients" if mode == "fwdbwd" else "")
+                ax.plot(*zip(*next(iter(extra.values()))), "k:", label=ref)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks(lengths, [str(n) for n in lengths], minor=False)
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+            ax.set(xlabel="sequence length N", ylabel=ylabel, title=_TITLES[mode])
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7, loc="best")
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+        paths.append(out_dir / name)
+    return paths
+
+
+_TITLES = {"fwd": "forward", "fwdbwd": "forward + backward"}
+
+
+def _mib(cell: str) -> float | None:
+    return None if not cell else float(cell) / 2**20

@@ -1,0 +1,202 @@
+"""Time and peak memory of one attention call, forward or forward+backward, on CPU or CUDA.
+
+Time is the median of repeated calls after warm-up; the repeat count adapts to a time
+budget per point. Peak memory is measured in a separate, untimed call:
+
+- CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus the
+  memory allocated before the call.
+- CPU: torch keeps no CPU peak counter, so the call runs under
+  ``torch.profiler.profile(profile_memory=True)``; every allocation and free the CPU
+  allocator reports is summed in time order and the peak of that running sum is the
+  peak above the start. Memory held outside torch's allocator (the Python heap, the
+  BLAS library's scratch buffers) is not seen.
+
+Both report bytes on top of what existed before the call; :func:`measure` adds the
+inputs (q, k, v and, for forward+backward, the upstream gradient) to give the peak
+footprint of the step.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+MODES = ("fwd", "fwdbwd")
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Case:
+    """The shapes of one measurement: q, k, v are (batch, heads, n, head_dim) of ``dtype`` on ``device``."""
+
+    batch: int
+    heads: int
+    n: int
+    head_dim: int
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes of one (batch, heads, n, head_dim) tensor."""
+        return self.batch * self.heads * self.n * self.head_dim * DTYPES[self.dtype].itemsize
+
+    def reference_bytes(self, mode: str) -> int:
+        """q, k, v and the output, plus their four gradients in forward+backward."""
+        return (4 if mode == "fwd" else 8) * self.tensor_bytes
+
+    def input_bytes(self, mode: str) -> int:
+        """What exists before the call: q, k, v, plus the upstream gradient in forward+backward."""
+        return (3 if mode == "fwd" else 4) * self.tensor_bytes
+
+    def inputs(self, mode: str, seed: int = 0) -> tuple[torch.Tensor, ...]:
+        """Random normal q, k, v (and the fixed upstream gradient for ``fwdbwd``), seeded."""
+        check_mode(mode)
+        gen = torch.Generator().manual_seed(seed)
+        shape = (self.batch, self.heads, self.n, self.head_dim)
+        count = 3 if mode == "fwd" else 4
+        tensors = [torch.randn(shape, generator=gen).to(self.device, DTYPES[self.dtype]) for _ in range(count)]
+        if mode == "fwdbwd":
+            for t in tensors[:3]:
+                t.requires_grad_(True)
+        return tuple(tensors)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One measured point: median seconds over ``repeats`` calls, and the peak footprint in bytes."""
+
+    median_s: float
+    repeats: int
+    peak_bytes: int | None  # inputs + the peak above them; None when not measured
+    reference_bytes: int
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+
+
+def synchronize(device: str | torch.device) -> None:
+    """Wait for queued kernels on CUDA (a no-op on CPU), so a clock read means the work is done."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def attention_step(op: Callable[..., torch.Tensor], tensors: tuple[torch.Tensor, ...]) -> Callable[[], None]:
+    """A call of ``op``: forward under inference mode for (q, k, v), forward+backward for (q, k, v, grad_out)."""
+    if len(tensors) == 3:
+        q, k, v = tensors
+
+        def forward() -> None:
+            with torch.inference_mode():
+                op(q, k, v)
+
+        return forward
+    q, k, v, grad_out = tensors
+
+    def forward_backward() -> None:
+        torch.autograd.grad(op(q, k, v), (q, k, v), grad_out)
+
+    return forward_backward
+
+
+def time_call(
+    fn: Callable[[], object],
+    *,
+    device: str | torch.device = "cpu",
+    budget_s: float = 1.0,
+    warmup: int = 1,
+    min_repeats: int = 3,
+    max_repeats: int = 100,
+) -> tuple[float, int]:
+    """(median seconds, repeats) of ``fn``: ``warmup`` untimed calls, then timed calls until both
+    ``min_repeats`` are done and ``budget_s`` seconds are spent, or ``max_repeats`` are done."""
+    if warmup < 0 or min_repeats < 1 or max_repeats < min_repeats or budget_s < 0:
+        raise ValueError(
+            "time_call needs warmup >= 0, 1 <= min_repeats <= max_repeats and budget_s >= 0, got "
+            f"warmup={warmup}, min_repeats={min_repeats}, max_repeats={max_repeats}, budget_s={budget_s}"
+        )
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times: list[float] = []
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # a collection inside a timed call is noise, as in timeit
+    try:
+        start = time.perf_counter()
+        while len(times) < max_repeats and (len(times) < min_repeats or time.perf_counter() - start < budget_s):
+            t0 = time.perf_counter()
+            fn()
+            synchronize(device)
+            times.append(time.perf_counter() - t0)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return statistics.median(times), len(times)
+
+
+def peak_memory(fn: Callable[[], object], *, device: str | torch.device = "cpu") -> int:
+    """Peak bytes allocated by ``fn`` above what was allocated when it started (see the module doc)."""
+    dev = torch.device(device)
+    gc.collect()
+    if dev.type == "cuda":
+        synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        start = torch.cuda.memory_allocated(dev)
+        fn()
+        synchronize(dev)
+        return max(0, torch.cuda.max_memory_allocated(dev) - start)
+    if dev.type != "cpu":
+        raise ValueError(f"peak memory is measured on 'cpu' or 'cuda' devices, got {str(device)!r}")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    running = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        running += event.nbytes()
+        peak = max(peak, running)
+    return peak
+
+
+def measure(
+    op: Callable[..., torch.Tensor],
+    case: Case,
+    mode: str,
+    *,
+    budget_s: float = 1.0,
+    warmup: int = 1,
+    min_repeats: int = 3,
+    max_repeats: int = 100,
+    memory: bool = True,
+    seed: int = 0,
+) -> Measurement:
+    """Time ``op(q, k, v)`` on random inputs of ``case`` in ``mode`` and, if ``memory``, its peak footprint.
+
+    The memory call comes after the warm-up and before the timed calls, so one-off
+    first-call allocations are not counted and the profiler does not slow a timed call.
+    When a warm-up call alone takes longer than ``budget_s``, one timed call is enough
+    (``min_repeats`` drops to 1): the repeat count is reported with the median.
+    """
+    tensors = case.inputs(mode, seed)
+    step = attention_step(op, tensors)
+    slowest = 0.0
+    for _ in range(warmup):
+        t0 = time.perf_counter()
+        step()
+        synchronize(case.device)
+        slowest = max(slowest, time.perf_counter() - t0)
+    peak = case.input_bytes(mode) + peak_memory(step, device=case.device) if memory else None
+    if slowest > budget_s:  # one call alone exceeds the budget: a single timed call will do
+        min_repeats = 1
+    median, repeats = time_call(
+        step, device=case.device, budget_s=budget_s, warmup=0, min_repeats=min_repeats, max_repeats=max_repeats
+    )
+    return Measurement(median, repeats, peak, case.reference_bytes(mode))
