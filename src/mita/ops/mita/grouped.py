@@ -62,6 +62,26 @@ def _tile_size(rows: int, groups: int) -> int:
     return int(min(64, max(8, 1 << (mean.bit_length() - 1))))
 
 
+def group_rows(expert_id: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Lay rows out by expert: each expert's rows contiguous, padded to a multiple of a tile.
+
+    Returns ``slot`` (row -> position in the padded buffer), ``tile_expert`` (expert of
+    each tile of T rows) and T.
+    """
+    counts = torch.bincount(expert_id, minlength=groups)
+    T = _tile_size(expert_id.numel(), groups)
+    tiles = (counts + T - 1) // T
+    order = torch.argsort(expert_id, stable=True)
+    first_row = torch.cumsum(counts, 0) - counts
+    first_slot = (torch.cumsum(tiles, 0) - tiles) * T
+    g_sorted = expert_id[order]
+    slot_sorted = first_slot[g_sorted] + torch.arange(order.numel(), device=order.device) - first_row[g_sorted]
+    slot = torch.empty_like(order).scatter_(0, order, slot_sorted)
+    n_tiles = int(tiles.sum())
+    tile_expert = torch.repeat_interleave(torch.arange(groups, device=order.device), tiles, output_size=n_tiles)
+    return slot, tile_expert, T
+
+
 def mita_attention_grouped(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -84,59 +104,71 @@ def mita_attention_grouped(
 
     if landmarks is None:
         landmarks = pool_landmarks(q, cfg)
-    # Affinities with the query heads of one kv head stacked: (B, Hkv, G*m, Nk).
-    A = landmarks.reshape(B, Hkv, G * m, D) @ k.transpose(-1, -2)
+    # Scaled affinities s0*A with the query heads of one kv head stacked: (B, Hkv, G*m, Nk).
+    # Top-k is unchanged by the positive scale, so A itself is never needed.
+    A = (cfg.scale * landmarks).reshape(B, Hkv, G * m, D) @ k.transpose(-1, -2)
     if cfg.key_mask is not None:
         A = A.masked_fill(~cfg.key_mask[:, None, None, :], float("-inf"))
-    v_shared = (torch.softmax(cfg.scale * A, dim=-1, dtype=acc).to(q.dtype) @ v).view(B, H, m, D)
+    v_shared = (torch.softmax(A, dim=-1, dtype=acc).to(q.dtype) @ v).view(B, H, m, D)
     experts = A.topk(kk, dim=-1).indices.view(B, H, m, kk)
 
-    gate = q @ landmarks.transpose(-1, -2)  # (B, H, Nq, m): routing gate and shared logits
-    routes = gate.topk(s, dim=-1).indices  # (B, H, Nq, s)
+    # Gate q . q~ scaled by ls: the shared expert's logits; routing is unchanged by the scale.
+    gate = q @ (cfg.landmark_scale * landmarks).transpose(-1, -2)  # (B, H, Nq, m)
+    if s == 1:
+        gate_max, routes = gate.max(-1, keepdim=True)  # (B, H, Nq, 1)
+    else:
+        gate_max, routes = gate.amax(-1, keepdim=True), gate.topk(s, dim=-1).indices  # (B, H, Nq, s)
+    # Step 6 as a merge of partial softmaxes: the shared expert over the landmarks and each
+    # routed expert over its keys give an output and a log-sum-exp each; weighting the
+    # outputs by softmax(lse) is exactly the one joint softmax (repeated keys counted).
+    p_sh = torch.softmax(gate, -1, dtype=acc)
+    lse_sh = gate_max.to(acc) - torch.log(p_sh.amax(-1, keepdim=True))  # (B, H, Nq, 1)
+    out_sh = _drop(p_sh.to(q.dtype), dropout_p) @ v_shared  # (B, H, Nq, D)
     if not cfg.use_routed:  # ablation: the shared expert alone
-        p = torch.softmax(cfg.landmark_scale * gate, dim=-1, dtype=acc).to(q.dtype)
-        out = F.dropout(p, dropout_p) @ v_shared if dropout_p > 0 else p @ v_shared
-        return _zero_padded(out, cfg), (landmarks, experts, routes)
+        return _zero_padded(out_sh, cfg), (landmarks, experts, routes)
 
     # Rows of the grouped buffer: one per (query, routed expert), grouped by global expert id.
     expert_id = (routes + torch.arange(X, device=q.device).view(B, H, 1, 1) * m).reshape(-1)
-    counts = torch.bincount(expert_id, minlength=X * m)
-    T = _tile_size(expert_id.numel(), X * m)
-    tiles = (counts + T - 1) // T
-    n_tiles = int(tiles.sum())
-    order = torch.argsort(expert_id, stable=True)
-    first_row = torch.cumsum(counts, 0) - counts
-    first_slot = (torch.cumsum(tiles, 0) - tiles) * T
-    g_sorted = expert_id[order]
-    slot_sorted = first_slot[g_sorted] + torch.arange(order.numel(), device=q.device) - first_row[g_sorted]
-    slot = torch.empty_like(order).scatter_(0, order, slot_sorted)  # (X*Nq*s,) row -> slot
-    tile_expert = torch.repeat_interleave(torch.arange(X * m, device=q.device), tiles, output_size=n_tiles)
+    slot, tile_expert, T = group_rows(expert_id, X * m)
+    n_tiles = tile_expert.numel()
+    # The query row of every slot; padding slots repeat the first query of their own head,
+    # so that nothing crosses batch elements (their outputs are never read).
+    slot_row = (tile_expert // m * Nq).repeat_interleave(T).index_copy(0, slot, torch.arange(
+        slot.numel(), device=q.device).div(s, rounding_mode="floor"))
+    q_t = q.reshape(-1, D).index_select(0, slot_row).view(n_tiles, T, D)
+    # Rows of each tile's expert keys in k and v flattened (kv head of query head x).
+    x = torch.arange(X, device=q.device)
+    kv_head = (x // H) * Hkv + (x % H) // G
+    key_row = (experts.view(X, m, kk) + (kv_head * Nk).view(X, 1, 1)).view(X * m, kk)[tile_expert].view(-1)
+    k_t = k.reshape(-1, D).index_select(0, key_row).view(n_tiles, kk, D)
+    v_t = v.reshape(-1, D).index_select(0, key_row).view(n_tiles, kk, D)
 
-    # Keys and values of each tile's expert, gathered straight from k and v.
-    kv_head = (torch.arange(X, device=q.device) // H) * Hkv + (torch.arange(X, device=q.device) % H) // G
-    key_row = (experts.view(X, m, kk) + (kv_head * Nk).view(X, 1, 1)).view(X * m, kk)[tile_expert]
-    k_t = k.reshape(-1, D)[key_row]  # (tiles, kk, D)
-    v_t = v.reshape(-1, D)[key_row]
-
-    q_rows = q.reshape(X * Nq, 1, D).expand(X * Nq, s, D).reshape(-1, D)
-    q_t = q.new_zeros(n_tiles * T, D).index_put((slot,), q_rows).view(n_tiles, T, D)
-    scores = (q_t @ k_t.transpose(1, 2)).view(n_tiles * T, kk)[slot].view(B, H, Nq, s * kk)
-    routed = cfg.scale * scores
+    scores = torch.baddbmm(q_t.new_empty(()), q_t, k_t.transpose(1, 2), beta=0, alpha=cfg.scale).to(acc)
     if cfg.short_keys:  # clamped k: slots past a short sequence's real keys
-        real = torch.gather(cfg.key_mask[:, None, None, :].expand(B, H, m, Nk), 3, experts)
-        real = torch.gather(real.unsqueeze(2).expand(B, H, Nq, m, kk), 3, routes[..., None].expand(-1, -1, -1, -1, kk))
-        routed = routed.masked_fill(~real.flatten(3), float("-inf"))
-
-    ms = m if cfg.use_shared else 0
-    logits = torch.cat([cfg.landmark_scale * gate, routed], dim=-1) if ms else routed
-    p = torch.softmax(logits, dim=-1, dtype=acc).to(q.dtype)
-    if dropout_p > 0:
-        p = F.dropout(p, dropout_p)
-    p_t = q.new_zeros(n_tiles * T, kk).index_put((slot,), p[..., ms:].reshape(-1, kk)).view(n_tiles, T, kk)
-    out = (p_t @ v_t).view(n_tiles * T, D)[slot].view(B, H, Nq, s, D).sum(3)
-    if ms:
-        out = out + p[..., :m] @ v_shared
+        real = cfg.key_mask.reshape(-1)[(key_row // (Hkv * Nk)) * Nk + key_row % Nk]
+        scores = scores.masked_fill(~real.view(n_tiles, 1, kk), float("-inf"))
+    p_t, lse_t = _softmax_lse(scores)
+    out_t = _drop(p_t.to(q.dtype), dropout_p) @ v_t  # (tiles, T, D)
+    out_r = out_t.view(-1, D).index_select(0, slot).view(B, H, Nq, s, D)
+    lse_r = lse_t.view(-1).index_select(0, slot).view(B, H, Nq, s)
+    if not cfg.use_shared:
+        out = (torch.softmax(lse_r, -1).to(q.dtype).unsqueeze(-2) @ out_r).squeeze(-2)
+    elif s == 1:  # weight of the routed part: sigmoid(lse_r - lse_shared)
+        out = torch.lerp(out_sh, out_r.squeeze(3), torch.sigmoid(lse_r - lse_sh).to(q.dtype))
+    else:
+        w = torch.softmax(torch.cat([lse_sh, lse_r], -1), -1).to(q.dtype)  # (B, H, Nq, 1 + s)
+        out = torch.addcmul((w[..., 1:].unsqueeze(-2) @ out_r).squeeze(-2), w[..., :1], out_sh)
     return _zero_padded(out, cfg), (landmarks, experts, routes)
+
+
+def _softmax_lse(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax and log-sum-exp over the last dim in two passes (lse = max - log max p)."""
+    p = torch.softmax(logits, -1)
+    return p, logits.amax(-1) - torch.log(p.amax(-1))
+
+
+def _drop(p: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    return torch.nn.functional.dropout(p, dropout_p) if dropout_p > 0 else p
 
 
 def _zero_padded(out: torch.Tensor, cfg: MiTAConfig) -> torch.Tensor:
