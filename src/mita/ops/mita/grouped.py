@@ -11,7 +11,6 @@ Pure PyTorch and device-agnostic; autograd gives the backward.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .config import MiTAConfig
 
