@@ -115,36 +115,59 @@ def moba_attention(
     cfg, causal = _check(q, k, v, block_size, topk, key_padding_mask, dropout_p, scale, causal, is_causal)
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    G, nb = H // Hkv, math.ceil(Nk / block_size)
-    pad = nb * block_size - Nk
-    real = F.pad(key_mask_of(cfg, k), (0, pad), value=False).reshape(B, nb, block_size)
-    kb = F.pad(k, (0, 0, 0, pad)).reshape(B, Hkv, nb, block_size * D)
-    vb = F.pad(v, (0, 0, 0, pad)).reshape(B, Hkv, nb, block_size * D)
+    G, nb, bs = H // Hkv, math.ceil(Nk / block_size), block_size
+    pad = nb * bs - Nk
+    real = F.pad(key_mask_of(cfg, k), (0, pad), value=False).reshape(B, nb, bs)
+    kb = F.pad(k, (0, 0, 0, pad)).reshape(B * Hkv * nb, bs, D)  # row g = (b * Hkv + kv head) * nb + block
+    vb = F.pad(v, (0, 0, 0, pad)).reshape(B * Hkv * nb, bs, D)
     count = real.sum(-1)  # (B, nb)
     w = real.to(k.dtype)[:, None, :, :, None]
-    means = (kb.view(B, Hkv, nb, block_size, D) * w).sum(3) / count.clamp(min=1)[:, None, :, None]
+    means = (kb.view(B, Hkv, nb, bs, D) * w).sum(3) / count.clamp(min=1)[:, None, :, None]
     n_sel = min(topk, nb)
-    step = chunk_rows(Nq, B * H * max(nb, n_sel * block_size * D), chunk_size)
+    step = chunk_rows(Nq, B * H * max(nb, n_sel * max(bs, D)), chunk_size)
     batch = torch.arange(B, device=q.device)[:, None, None, None]
-    offsets = torch.arange(block_size, device=q.device)
+    offsets = torch.arange(bs, device=q.device)
+    kv_head = (torch.arange(B, device=q.device)[:, None] * Hkv + torch.arange(H, device=q.device) // G) * nb
     outs = []
     for start in range(0, Nq, step):
         rows = torch.arange(start, min(start + step, Nq), device=q.device)
         C = rows.numel()
         qc = q[:, :, start : start + C]
         affinity = (qc.reshape(B, Hkv, G * C, D) @ means.transpose(-1, -2)).view(B, H, C, nb)
-        blocks, ok = _route(affinity, count > 0, rows, block_size, causal, topk)
-        index = blocks.reshape(B, Hkv, G * C * n_sel, 1).expand(-1, -1, -1, block_size * D)
-        keys = torch.gather(kb, 2, index).view(B, H, C, n_sel * block_size, D)
-        values = torch.gather(vb, 2, index).view(B, H, C, n_sel * block_size, D)
-        allowed = (real[batch, blocks] & ok[..., None]).flatten(-2)  # (B, H, C, n_sel * block_size)
+        blocks, ok = _route(affinity, count > 0, rows, bs, causal, topk)  # (B, H, C, n_sel)
+        # One row per (query, selected block), grouped by block into tiles of T rows.
+        slot, tile_block, T = tile_rows((kv_head[:, :, None, None] + blocks).reshape(-1), B * Hkv * nb)
+        n_rows = tile_block.numel() * T
+        q_rows = qc.unsqueeze(3).expand(B, H, C, n_sel, D).reshape(-1, D)
+        q_t = q.new_zeros(n_rows, D).index_put((slot,), q_rows).view(-1, T, D)
+        scores = (q_t @ kb[tile_block].transpose(1, 2)).view(n_rows, bs)[slot].view(B, H, C, n_sel * bs)
+        allowed = (real[batch, blocks] & ok[..., None]).flatten(-2)
         if causal:
-            allowed = allowed & ((blocks[..., None] * block_size + offsets).flatten(-2) <= rows[:, None])
-        p = softmax_allowed(cfg.scale * (keys @ qc.unsqueeze(-1)).squeeze(-1), allowed)
+            allowed = allowed & ((blocks[..., None] * bs + offsets).flatten(-2) <= rows[:, None])
+        p = softmax_allowed(cfg.scale * scores, allowed)
         if dropout_p > 0:
             p = F.dropout(p, dropout_p)
-        outs.append((p.unsqueeze(-2) @ values).squeeze(-2))
+        p_t = q.new_zeros(n_rows, bs).index_put((slot,), p.reshape(-1, bs)).view(-1, T, bs)
+        outs.append((p_t @ vb[tile_block]).view(n_rows, D)[slot].view(B, H, C, n_sel, D).sum(3))
     return zero_padded(torch.cat(outs, dim=2), cfg)
+
+
+def tile_rows(group: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Lay rows out in tiles of T rows that each belong to one group, for one batched matmul per tile.
+
+    ``group`` (R,) holds each row's group in [0, n_groups). Returns ``slot`` (R,), the row's
+    place in a buffer of ``len(tile_group) * T`` rows; ``tile_group``, each tile's group;
+    and T, a power of two in [8, 64] near the mean group size. Padding stays under T rows a group.
+    """
+    counts = torch.bincount(group, minlength=n_groups)
+    T = int(min(64, max(8, 1 << (max(1, group.numel() // n_groups).bit_length() - 1))))
+    tiles = (counts + T - 1) // T
+    order = torch.argsort(group, stable=True)
+    sorted_group = group[order]
+    rank = torch.arange(group.numel(), device=group.device) - (counts.cumsum(0) - counts)[sorted_group]
+    slot = torch.empty_like(order).scatter_(0, order, ((tiles.cumsum(0) - tiles) * T)[sorted_group] + rank)
+    tile_group = torch.repeat_interleave(torch.arange(n_groups, device=group.device), tiles)
+    return slot, tile_group, T
 
 
 def moba_flops(n: int, d: int, block_size: int = 64, topk: int = 2, **_: object) -> float:
