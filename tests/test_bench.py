@@ -98,6 +98,30 @@ def test_resume_keeps_measured_points(tmp_path: Path) -> None:
     assert len(json.loads((out / "machine.json").read_text())["sessions"]) == 2
 
 
+def test_resume_fills_a_ratio_whose_baseline_was_capped_before(tmp_path: Path) -> None:
+    args = [
+        "bench",
+        "--quick",
+        "--threads",
+        "1",
+        "--methods",
+        "mita",
+        "--modes",
+        "fwd",
+        "--no-plots",
+        "--lengths",
+        "64",
+    ]
+    assert main([*args, "--max-n-per-method", "sdpa=32", "--out", str(tmp_path)]) == 0
+    assert {r["method"]: r["speedup"] for r in rows_of(tmp_path)}["mita"] == ""
+    assert main([*args, "--out", str(tmp_path), "--resume"]) == 0
+    sdpa, mita = rows_of(tmp_path)
+    assert sdpa["status"] == mita["status"] == "ok" and mita["session"] != sdpa["session"]
+    assert float(mita["speedup"]) == pytest.approx(float(sdpa["median_s"]) / float(mita["median_s"]), 1e-4)
+    assert mita["baseline_session"] == sdpa["session"]
+    assert report.OTHER_SESSION in (tmp_path / "results.md").read_text()
+
+
 def test_resume_refuses_another_machine(tmp_path: Path, capsys) -> None:
     assert main([*TINY, "--lengths", "32", "--out", str(tmp_path)]) == 0
     info = json.loads((tmp_path / "machine.json").read_text())

@@ -15,6 +15,8 @@ import datetime
 import inspect
 import itertools
 import json
+import shlex
+import sys
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 
 from .. import attention
+from . import report
 from .report import (
     FIELDS,
     OK,
@@ -37,6 +40,7 @@ from .report import (
     ratios,
     read_rows,
     session_info,
+    write_rows,
 )
 from .timing import DTYPES, MODES, Case, measure
 
@@ -65,11 +69,11 @@ PRESETS = {
     ),
     # DeiT at 224 px (1 CLS token + 14x14 patches, m=k=25) and segmentation at 512 px (1 + 32x32, m=k=49)
     "vision": Preset(
-        1,
-        8,
-        64,
-        (197, 1025),
-        {"num_routed": 1, "num_prefix_tokens": 1},
+        batch=1,
+        heads=8,
+        head_dim=64,
+        lengths=(197, 1025),
+        options={"num_routed": 1, "num_prefix_tokens": 1},
         per_length={
             197: {"num_landmarks": 25, "topk": 25, "grid": (14, 14)},
             1025: {"num_landmarks": 49, "topk": 49, "grid": (32, 32)},
@@ -207,7 +211,8 @@ def add_ratios(row: Row, baseline_row: Row | None) -> Row:
         return row
     base = baseline_row or {}
     base_s = num(base["median_s"]) if base.get("status") == OK else None
-    return {**row, **ratios(float(row["median_s"]), base_s, num(row["model_flops"]), num(base.get("model_flops", "")))}
+    derived = ratios(float(row["median_s"]), base_s, num(row["model_flops"]), num(base.get("model_flops", "")))
+    return {**row, **derived, "baseline_session": base["session"] if base_s is not None else ""}
 
 
 def _key(row: Row) -> tuple[str, ...]:
@@ -237,9 +242,9 @@ def prepare_out_dir(out: str | None, *, force: bool, resume: bool) -> Path:
     return path
 
 
-def record_machine(path: Path, device: str, session: str, *, resume: bool) -> dict[str, Any]:
+def record_machine(path: Path, device: str, session: str, command: str, *, resume: bool) -> dict[str, Any]:
     """Write machine.json; a resumed run must be on the same machine, threads and torch."""
-    info = {"machine": machine_info(device), "sessions": [session_info(session)]}
+    info = {"machine": machine_info(device), "sessions": [session_info(session, command)]}
     if resume and path.exists():
         old = json.loads(path.read_text())
         if old.get("machine") != info["machine"]:
@@ -347,12 +352,17 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         session = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
-        record_machine(out_dir / "machine.json", args.device, session, resume=args.resume)
+        record_machine(out_dir / "machine.json", args.device, session, _command(args), resume=args.resume)
         rows = {_key(r): r for r in read_rows(out_dir / "results.csv")} if args.resume else {}
         failures = _measure_all(plan, args.dtype, args.device, session, rows, out_dir / "results.csv")
     finally:
         torch.set_num_threads(threads)
-    final = sorted(rows.values(), key=lambda r: (int(r["n"]), MODES.index(r["mode"]), _order(plan.series, r)))
+    # ratios again over all rows: a resumed run may have measured a baseline after the rows that need it
+    final = [
+        add_ratios(r, rows.get(_baseline_key(plan, r)))
+        for r in sorted(rows.values(), key=lambda r: (int(r["n"]), MODES.index(r["mode"]), _order(plan.series, r)))
+    ]
+    write_rows(out_dir / "results.csv", final)
     _write_reports(final, out_dir, plan.series[0].label, plots=not args.no_plots)
     print(f"mita bench: results in {out_dir}/ (results.csv, results.md{', *.png' if not args.no_plots else ''})")
     if failures:
@@ -378,17 +388,27 @@ def _measure_all(
             row = new_row(s, options, case, mode, session)
             if (old := rows.get(_key(row))) is not None and old["status"] == OK:
                 continue  # measured by the run being resumed
-            row = _task_row(row, options, case, plan.settings, plan.caps)
-            base = plan.series[0]
-            base_key = _key(new_row(base, base.options_at(plan.preset, n), case, mode, session))
-            row = add_ratios(row, row if base_key == _key(row) else rows.get(base_key))
+            row = rows[_key(row)] = _task_row(row, options, case, plan.settings, plan.caps)
+            row = rows[_key(row)] = add_ratios(row, rows.get(_baseline_key(plan, row)))
             failures += row["status"].startswith("failed")
-            rows[_key(row)] = row
             log.write(row)
             bar.write(_summary(row))
     finally:
         log.close()
     return failures
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command line of this run, or its arguments when it was started from Python."""
+    if sys.argv[1:2] == ["bench"]:
+        return shlex.join(["mita", *sys.argv[1:]])
+    return "mita bench, from Python: " + ", ".join(f"{k}={v!r}" for k, v in vars(args).items() if k != "func")
+
+
+def _baseline_key(plan: Plan, row: Row) -> tuple[str, ...]:
+    """The key of the baseline's row at the shape, length and mode of ``row``."""
+    base = plan.series[0]
+    return _key({**row, "series": base.label, "options": format_options(base.options_at(plan.preset, int(row["n"])))})
 
 
 def _order(series: Sequence[Series], row: Row) -> int:
@@ -417,19 +437,26 @@ def _summary(row: Row) -> str:
 
 
 def _write_reports(rows: Sequence[Row], out_dir: Path, baseline: str, *, plots: bool) -> None:
+    """results.md (the machine, the commands, the table) and the plots."""
     machine = json.loads((out_dir / "machine.json").read_text())
-    info = machine["machine"]
-    sessions = machine["sessions"]
-    header = (
-        f"# mita bench\n\nMachine: {info['cpu_model']}, {info['usable_cpus']} usable CPUs, "
-        f"{info['torch_threads']} torch threads, torch {info['torch']}"
-        + (f", {info['cuda_device']}" if info["cuda_device"] else "")
-        + f", device {info['device']}.\n\nCommand: `{' '.join(sessions[-1]['command'])}`"
-        + f" ({len(sessions)} session{'s' * (len(sessions) > 1)}; load average at start "
-        + ", ".join(str(s["load_average_at_start"]) for s in sessions)
-        + f").\n\nSpeed-ups are over `{baseline}` at the same shape; ideal is the FLOP model's.\n\n"
-    )
-    (out_dir / "results.md").write_text(header + markdown_table(rows))
+    info, sessions = machine["machine"], machine["sessions"]
+    gpu = f", {info['cuda_device']}" if info["cuda_device"] else ""
+    lines = [
+        "# mita bench",
+        "",
+        f"Machine: {info['cpu_model']}, {info['usable_cpus']} usable CPUs, {info['torch_threads']} torch threads, "
+        f"torch {info['torch']}{gpu}, device {info['device']}.",
+        "",
+        *(f"- `{s['command']}` (started {s['started_utc']}, load average {s['load_average']})" for s in sessions),
+        "",
+        f"Speed-ups are over `{baseline}` at the same shape, measured in the same process; "
+        "ideal is the FLOP model's (spec section 3).",
+        "",
+        markdown_table(rows),
+    ]
+    if any(report.OTHER_SESSION[0] in line for line in lines[-1].splitlines()[2:]):
+        lines.append(report.OTHER_SESSION + "\n")
+    (out_dir / "results.md").write_text("\n".join(lines))
     if not plots:
         return
     try:

@@ -10,7 +10,6 @@ import csv
 import datetime
 import os
 import platform
-import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 FIELDS = (
     "session", "device", "dtype", "batch", "heads", "head_dim", "series", "method", "options", "n", "mode",
     "status", "median_s", "repeats", "tokens_per_s", "peak_bytes", "reference_bytes", "memory_ratio",
-    "model_flops", "speedup", "ideal_speedup", "fraction_of_ideal",
+    "model_flops", "speedup", "ideal_speedup", "fraction_of_ideal", "baseline_session",
 )  # fmt: skip
 OK = "ok"
 Row = dict[str, str]
@@ -53,6 +52,16 @@ def read_rows(path: Path) -> list[Row]:
         return list(reader)
 
 
+def write_rows(path: Path, rows: Iterable[Row]) -> None:
+    """Replace the CSV file with ``rows`` (written aside, then renamed: never a half-written file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
 class CsvLog:
     """Appends rows to the CSV file one at a time, flushed, so an interrupted run can resume."""
 
@@ -81,11 +90,16 @@ _COLUMNS: dict[str, tuple[str, Callable[[Row], str]]] = {
     "tokens": ("tokens/s", lambda r: f"{float(r['tokens_per_s']):,.0f}" if r["tokens_per_s"] else ""),
     "peak": ("peak (MiB)", lambda r: f"{float(r['peak_bytes']) / 2**20:.1f}" if r["peak_bytes"] else ""),
     "memory_ratio": ("peak / ref", lambda r: f"{float(r['memory_ratio']):.2f}" if r["memory_ratio"] else ""),
-    "speedup": ("speed-up", lambda r: f"{float(r['speedup']):.2f}x" if r["speedup"] else ""),
+    "speedup": ("speed-up", lambda r: f"{float(r['speedup']):.2f}x{_dagger(r)}" if r["speedup"] else ""),
     "ideal": ("ideal", lambda r: f"{float(r['ideal_speedup']):.1f}x" if r["ideal_speedup"] else ""),
     "fraction": ("of ideal", lambda r: f"{float(r['fraction_of_ideal']):.0%}" if r["fraction_of_ideal"] else ""),
 }
 TABLE_COLUMNS = tuple(_COLUMNS)
+OTHER_SESSION = "†: the baseline was measured in another session of this run (--resume): same machine, another process"
+
+
+def _dagger(row: Row) -> str:
+    return "†" if row["baseline_session"] not in ("", row["session"]) else ""
 
 
 def markdown_table(rows: Iterable[Row], columns: Sequence[str] = TABLE_COLUMNS) -> str:
@@ -125,13 +139,14 @@ def machine_info(device: str) -> dict[str, object]:
     return info
 
 
-def session_info(session: str) -> dict[str, object]:
-    """When and how this run was started, and how busy the machine was (1, 5, 15-minute load)."""
+def session_info(session: str, command: str) -> dict[str, object]:
+    """When and how this run was started, and how busy the machine was (1, 5, 15-minute load average)."""
+    load = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
     return {
         "session": session,
         "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": sys.argv,
-        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "command": command,
+        "load_average": load,
     }
 
 

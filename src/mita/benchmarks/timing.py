@@ -19,6 +19,7 @@ footprint of the step.
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -156,6 +157,7 @@ def peak_memory(fn: Callable[[], object], *, device: str | torch.device = "cpu")
         raise ValueError(f"peak memory is measured on 'cpu' or 'cuda' devices, got {str(device)!r}")
     from torch.profiler import ProfilerActivity, profile
 
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # read when the profiler starts: no log lines per call
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
