@@ -82,8 +82,9 @@ def test_refuses_to_overwrite_a_non_empty_folder(tmp_path: Path, capsys) -> None
     assert main([*TINY, "--lengths", "32", "--out", str(tmp_path)]) == 2
     assert "--force" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
-    assert main([*TINY, "--lengths", "32", "--out", str(tmp_path), "--force"]) == 0
-    assert (tmp_path / "keep.txt").read_text() == "mine"
+    (tmp_path / "time.png").write_text("an old plot")
+    assert main([*TINY, "--lengths", "32", "--out", str(tmp_path), "--force"]) == 0  # TINY has --no-plots
+    assert (tmp_path / "keep.txt").read_text() == "mine" and not (tmp_path / "time.png").exists()
     assert len(rows_of(tmp_path)) == 1
 
 

@@ -26,13 +26,14 @@ from typing import Any
 import torch
 
 from .. import attention
-from . import report
 from .report import (
     FIELDS,
     OK,
+    OTHER_SESSION,
     CsvLog,
     Row,
     fmt,
+    from_other_session,
     machine_info,
     markdown_table,
     num,
@@ -43,6 +44,8 @@ from .report import (
     write_rows,
 )
 from .timing import DTYPES, MODES, Case, measure
+
+OUTPUTS = ("results.csv", "results.md", "time.png", "speedup.png", "memory.png", "machine.json")
 
 
 @dataclass(frozen=True)
@@ -239,10 +242,13 @@ def prepare_out_dir(out: str | None, *, force: bool, resume: bool) -> Path:
             "--resume to continue that run, or give a new folder"
         )
     path.mkdir(parents=True, exist_ok=True)
+    if force:  # no stale plot or table of the run being replaced; other files are left alone
+        for name in OUTPUTS:
+            (path / name).unlink(missing_ok=True)
     return path
 
 
-def record_machine(path: Path, device: str, session: str, command: str, *, resume: bool) -> dict[str, Any]:
+def record_machine(path: Path, device: str, session: str, command: str, *, resume: bool) -> None:
     """Write machine.json; a resumed run must be on the same machine, threads and torch."""
     info = {"machine": machine_info(device), "sessions": [session_info(session, command)]}
     if resume and path.exists():
@@ -254,7 +260,6 @@ def record_machine(path: Path, device: str, session: str, command: str, *, resum
             )
         info["sessions"] = [*old.get("sessions", []), *info["sessions"]]
     path.write_text(json.dumps(info, indent=2) + "\n")
-    return info
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -454,8 +459,8 @@ def _write_reports(rows: Sequence[Row], out_dir: Path, baseline: str, *, plots: 
         "",
         markdown_table(rows),
     ]
-    if any(report.OTHER_SESSION[0] in line for line in lines[-1].splitlines()[2:]):
-        lines.append(report.OTHER_SESSION + "\n")
+    if any(map(from_other_session, rows)):
+        lines.append(OTHER_SESSION + "\n")
     (out_dir / "results.md").write_text("\n".join(lines))
     if not plots:
         return

@@ -98,8 +98,13 @@ TABLE_COLUMNS = tuple(_COLUMNS)
 OTHER_SESSION = "†: the baseline was measured in another session of this run (--resume): same machine, another process"
 
 
+def from_other_session(row: Row) -> bool:
+    """Whether the row's speed-up is over a baseline measured by another session (a resumed run)."""
+    return row["baseline_session"] not in ("", row["session"])
+
+
 def _dagger(row: Row) -> str:
-    return "†" if row["baseline_session"] not in ("", row["session"]) else ""
+    return "†" if from_other_session(row) else ""
 
 
 def markdown_table(rows: Iterable[Row], columns: Sequence[str] = TABLE_COLUMNS) -> str:
