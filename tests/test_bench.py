@@ -202,11 +202,36 @@ def test_sweeps_expand_only_the_methods_that_take_the_option() -> None:
 def test_vision_preset_runs_with_its_grids(tmp_path: Path) -> None:
     args = ["bench", "--preset", "vision", "--threads", "1", "--methods", "mita", "--modes", "fwd", "--no-plots"]
     fast = ["--no-memory", "--budget", "0", "--warmup", "0", "--min-repeats", "1", "--out", str(tmp_path)]
-    assert main([*args, *fast]) == 0
+    assert main([*args, *fast, "--profile"]) == 0
+    profiles = sorted(p.name for p in (tmp_path / "profiles").iterdir())
+    assert profiles == ["mita-N1025-fwd.txt", "mita-N197-fwd.txt", "sdpa-N1025-fwd.txt", "sdpa-N197-fwd.txt"]
+    assert "Self CPU" in (tmp_path / "profiles" / "sdpa-N197-fwd.txt").read_text()
     rows = {r["n"]: r for r in rows_of(tmp_path) if r["method"] == "mita"}
     assert rows["197"]["options"] == "grid=(14, 14),num_landmarks=25,num_prefix_tokens=1,num_routed=1,topk=25"
     assert rows["1025"]["options"] == "grid=(32, 32),num_landmarks=49,num_prefix_tokens=1,num_routed=1,topk=49"
     assert all(r["status"] == "ok" for r in rows.values())
+
+
+def _row(series: str, n: int, speedup: float) -> report.Row:
+    row = dict.fromkeys(report.FIELDS, "")
+    row.update(series=series, n=str(n), mode="fwd", status="ok", speedup=str(speedup))
+    return row
+
+
+@pytest.mark.parametrize(
+    ("speedups", "text"),
+    [
+        ((0.5, 1.2, 3.0), "as fast or faster from N = 2048 on (slower at 1024)"),
+        ((0.5, 1.2, 0.9, 2.0), "as fast or faster from N = 8192 on (slower at 4096)"),
+        ((1.0, 2.0), "as fast or faster at every measured N (1024 to 2048)"),
+        ((2.0, 0.8), "slower at the largest measured N (2048)"),
+    ],
+    ids=["crosses", "crosses-twice", "always-faster", "never-after"],
+)
+def test_crossover(speedups: tuple[float, ...], text: str) -> None:
+    rows = [_row("sdpa", 1024 * 2**i, 1.0) for i in range(len(speedups))]
+    rows += [_row("mita", 1024 * 2**i, s) for i, s in enumerate(speedups)]
+    assert report.crossovers(rows, "sdpa") == [f"- mita, forward: {text}"]
 
 
 def _allocate_64_mib() -> torch.Tensor:

@@ -11,15 +11,16 @@ measurement, appended as it is taken so ``--resume`` can continue an interrupted
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import inspect
 import itertools
 import json
+import re
 import shlex
 import sys
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from .report import (
     OTHER_SESSION,
     CsvLog,
     Row,
+    crossovers,
     fmt,
     from_other_session,
     machine_info,
@@ -43,12 +45,12 @@ from .report import (
     session_info,
     write_rows,
 )
-from .timing import DTYPES, MODES, Case, measure
+from .timing import DTYPES, MODES, Case, measure, op_profile
 
 OUTPUTS = ("results.csv", "results.md", "time.png", "speedup.png", "memory.png", "machine.json")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Preset:
     """A named benchmark: the shapes, the lengths and the options it gives every method that takes them."""
 
@@ -57,7 +59,7 @@ class Preset:
     head_dim: int
     lengths: tuple[int, ...]
     options: Mapping[str, Any]
-    per_length: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)  # extra options at one length
+    per_length: Mapping[int, Mapping[str, Any]] = dataclasses.field(default_factory=dict)  # extra options at one length
     fixed_lengths: bool = False  # --lengths does not apply
     budget_s: float = 1.0
 
@@ -88,7 +90,7 @@ PRESETS = {
 }
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Series:
     """One line of the plots: a registered method with the options the user gave it (config and sweep)."""
 
@@ -102,7 +104,7 @@ class Series:
         return {**self.method.defaults, **from_preset, **self.options}
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Settings:
     """How each point is measured (see :func:`mita.benchmarks.timing.measure`)."""
 
@@ -112,6 +114,7 @@ class Settings:
     max_repeats: int = 100
     memory: bool = True
     seed: int = 0
+    profile_dir: Path | None = None  # if set, an op profile of every point is written there
 
 
 def accepts(method: attention.Method, key: str) -> bool:
@@ -200,6 +203,10 @@ def measure_row(row: Row, options: Mapping[str, Any], case: Case, settings: Sett
         min_repeats=settings.min_repeats, max_repeats=settings.max_repeats, memory=settings.memory,
         seed=settings.seed,
     )  # fmt: skip
+    if settings.profile_dir is not None:
+        name = re.sub(r"[^\w.=-]+", "_", f"{row['series']}-N{case.n}-{row['mode']}") + ".txt"
+        settings.profile_dir.mkdir(exist_ok=True)
+        (settings.profile_dir / name).write_text(op_profile(op, case, row["mode"], seed=settings.seed))
     return {
         **row, "status": OK, "median_s": fmt(m.median_s), "repeats": str(m.repeats),
         "tokens_per_s": fmt(case.batch * case.n / m.median_s), "peak_bytes": fmt(m.peak_bytes),
@@ -243,8 +250,8 @@ def prepare_out_dir(out: str | None, *, force: bool, resume: bool) -> Path:
         )
     path.mkdir(parents=True, exist_ok=True)
     if force:  # no stale plot or table of the run being replaced; other files are left alone
-        for name in OUTPUTS:
-            (path / name).unlink(missing_ok=True)
+        for file in [*(path / name for name in OUTPUTS), *(path / "profiles").glob("*.txt")]:
+            file.unlink(missing_ok=True)
     return path
 
 
@@ -288,6 +295,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-repeats", type=int, default=100)
     p.add_argument("--no-memory", action="store_true", help="skip the (untimed) peak memory call")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--profile", action="store_true", help="also write an op profile of each point to DIR/profiles/")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", metavar="DIR", help="output folder (default: bench-results/<date-time>)")
     g = p.add_mutually_exclusive_group()
@@ -303,7 +311,7 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """A checked benchmark: what to measure (series x lengths x modes) and how."""
 
@@ -352,6 +360,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark the arguments describe; 1 if a point failed, else 0."""
     plan = make_plan(args)
     out_dir = prepare_out_dir(args.out, force=args.force, resume=args.resume)
+    if args.profile:
+        plan = dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, profile_dir=out_dir / "profiles"))
     threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -461,6 +471,8 @@ def _write_reports(rows: Sequence[Row], out_dir: Path, baseline: str, *, plots: 
     ]
     if any(map(from_other_session, rows)):
         lines.append(OTHER_SESSION + "\n")
+    if crossings := crossovers(rows, baseline):
+        lines += [f"Crossover with `{baseline}`:", "", *crossings, ""]
     (out_dir / "results.md").write_text("\n".join(lines))
     if not plots:
         return

@@ -164,6 +164,26 @@ def _series(rows: Iterable[Row], mode: str, value: Callable[[Row], float | None]
     return {k: sorted(v) for k, v in out.items()}
 
 
+def crossovers(rows: Sequence[Row], baseline: str) -> list[str]:
+    """Per series and mode, from which measured N on it is at least as fast as the baseline."""
+    lines = []
+    for mode in [m for m in ("fwd", "fwdbwd") if any(r["mode"] == m for r in rows)]:
+        for series, pts in _series(rows, mode, lambda r: num(r["speedup"])).items():
+            if series == baseline:
+                continue
+            slower = [n for n, speedup in pts if speedup < 1]
+            if not slower:
+                text = f"as fast or faster at every measured N ({pts[0][0]} to {pts[-1][0]})"
+            elif slower[-1] == pts[-1][0]:
+                text = f"slower at the largest measured N ({pts[-1][0]})"
+            else:
+                text = (
+                    f"as fast or faster from N = {min(n for n, _ in pts if n > slower[-1])} on (slower at {slower[-1]})"
+                )
+            lines.append(f"- {series}, {_TITLES[mode]}: {text}")
+    return lines
+
+
 def plot(rows: Sequence[Row], out_dir: Path, baseline: str) -> list[Path]:
     """Log-log plots against N, one panel per mode: time.png, speedup.png (with the ideal), memory.png."""
     import matplotlib

@@ -168,6 +168,20 @@ def peak_memory(fn: Callable[[], object], *, device: str | torch.device = "cpu")
     return peak
 
 
+def op_profile(op: Callable[..., torch.Tensor], case: Case, mode: str, *, seed: int = 0, row_limit: int = 30) -> str:
+    """The profiler's table of the ops of one call (after a warm-up call), by self time: where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = attention_step(op, case.inputs(mode, seed))
+    step()
+    cuda = torch.device(case.device).type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        step()
+        synchronize(case.device)
+    sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort_by, row_limit=row_limit)
+
+
 def measure(
     op: Callable[..., torch.Tensor],
     case: Case,
