@@ -369,3 +369,20 @@ def test_2d_bin_without_real_token_error() -> None:
 def test_tensors_on_different_devices_error() -> None:
     with pytest.raises(ValueError, match="one device"):
         mita_attention(Q, KV.to("meta"), KV, **GOOD)
+
+
+@pytest.mark.parametrize("s", [1, 2])
+def test_dropout_gradcheck_and_mean(s: int) -> None:
+    q, k, v, mask = Case(B=1, H=2, N=8, D=3, m=3, k=4, s=s, mask=True).inputs()
+    opts = dict(num_landmarks=3, topk=4, num_routed=s, key_padding_mask=mask, dropout_p=0.3)
+
+    def fn(*t):
+        torch.manual_seed(1)  # the same dropout mask on every call
+        return mita_attention(*t, **opts)
+
+    assert torch.autograd.gradcheck(fn, [t.requires_grad_() for t in (q, k, v)], fast_mode=True)
+    with torch.no_grad():
+        runs = torch.stack([mita_attention(q, k, v, **opts) for _ in range(400)])
+        exact = mita_attention(q, k, v, **{**opts, "dropout_p": 0.0})
+    stderr = runs.std(0) / 20
+    assert ((runs.mean(0) - exact).abs() <= 5 * stderr + 1e-9).all()  # dropout is unbiased

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .autograd import SoftmaxLSE, TileAttention
 from .config import MiTAConfig
 
 
@@ -113,15 +114,13 @@ def mita_attention_grouped(
 
     # Gate q . q~ scaled by ls: the shared expert's logits; routing is unchanged by the scale.
     gate = q @ (cfg.landmark_scale * landmarks).transpose(-1, -2)  # (B, H, Nq, m)
-    if s == 1:
-        gate_max, routes = gate.max(-1, keepdim=True)  # (B, H, Nq, 1)
-    else:
-        gate_max, routes = gate.amax(-1, keepdim=True), gate.topk(s, dim=-1).indices  # (B, H, Nq, s)
+    g = gate.detach()
+    routes = g.argmax(-1, keepdim=True) if s == 1 else g.topk(s, dim=-1).indices  # (B, H, Nq, s)
     # Step 6 as a merge of partial softmaxes: the shared expert over the landmarks and each
     # routed expert over its keys give an output and a log-sum-exp each; weighting the
     # outputs by softmax(lse) is exactly the one joint softmax (repeated keys counted).
-    p_sh = torch.softmax(gate, -1, dtype=acc)
-    lse_sh = gate_max.to(acc) - torch.log(p_sh.amax(-1, keepdim=True))  # (B, H, Nq, 1)
+    p_sh, lse_sh = SoftmaxLSE.apply(gate, acc)
+    lse_sh = lse_sh.unsqueeze(-1)  # (B, H, Nq, 1)
     out_sh = _drop(p_sh.to(q.dtype), dropout_p) @ v_shared  # (B, H, Nq, D)
     if not cfg.use_routed:  # ablation: the shared expert alone
         return _zero_padded(out_sh, cfg), (landmarks, experts, routes)
@@ -132,8 +131,11 @@ def mita_attention_grouped(
     n_tiles = tile_expert.numel()
     # The query row of every slot; padding slots repeat the first query of their own head,
     # so that nothing crosses batch elements (their outputs are never read).
-    slot_row = (tile_expert // m * Nq).repeat_interleave(T).index_copy(0, slot, torch.arange(
-        slot.numel(), device=q.device).div(s, rounding_mode="floor"))
+    slot_row = (
+        (tile_expert // m * Nq)
+        .repeat_interleave(T)
+        .index_copy(0, slot, torch.arange(slot.numel(), device=q.device).div(s, rounding_mode="floor"))
+    )
     q_t = q.reshape(-1, D).index_select(0, slot_row).view(n_tiles, T, D)
     # Rows of each tile's expert keys in k and v flattened (kv head of query head x).
     x = torch.arange(X, device=q.device)
@@ -142,12 +144,10 @@ def mita_attention_grouped(
     k_t = k.reshape(-1, D).index_select(0, key_row).view(n_tiles, kk, D)
     v_t = v.reshape(-1, D).index_select(0, key_row).view(n_tiles, kk, D)
 
-    scores = torch.baddbmm(q_t.new_empty(()), q_t, k_t.transpose(1, 2), beta=0, alpha=cfg.scale).to(acc)
+    real = None
     if cfg.short_keys:  # clamped k: slots past a short sequence's real keys
-        real = cfg.key_mask.reshape(-1)[(key_row // (Hkv * Nk)) * Nk + key_row % Nk]
-        scores = scores.masked_fill(~real.view(n_tiles, 1, kk), float("-inf"))
-    p_t, lse_t = _softmax_lse(scores)
-    out_t = _drop(p_t.to(q.dtype), dropout_p) @ v_t  # (tiles, T, D)
+        real = cfg.key_mask.reshape(-1)[(key_row // (Hkv * Nk)) * Nk + key_row % Nk].view(n_tiles, kk)
+    out_t, lse_t = TileAttention.apply(q_t, k_t, v_t, real, cfg.scale, dropout_p, acc)  # (tiles, T, D), (tiles, T)
     out_r = out_t.view(-1, D).index_select(0, slot).view(B, H, Nq, s, D)
     lse_r = lse_t.view(-1).index_select(0, slot).view(B, H, Nq, s)
     if not cfg.use_shared:
@@ -158,12 +158,6 @@ def mita_attention_grouped(
         w = torch.softmax(torch.cat([lse_sh, lse_r], -1), -1).to(q.dtype)  # (B, H, Nq, 1 + s)
         out = torch.addcmul((w[..., 1:].unsqueeze(-2) @ out_r).squeeze(-2), w[..., :1], out_sh)
     return _zero_padded(out, cfg), (landmarks, experts, routes)
-
-
-def _softmax_lse(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax and log-sum-exp over the last dim in two passes (lse = max - log max p)."""
-    p = torch.softmax(logits, -1)
-    return p, logits.amax(-1) - torch.log(p.amax(-1))
 
 
 def _drop(p: torch.Tensor, dropout_p: float) -> torch.Tensor:
