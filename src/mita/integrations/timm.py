@@ -1,9 +1,10 @@
 """timm integration: MiTA-DeiT models in timm's registry, and :func:`convert` for any timm ViT.
 
-``import mita`` registers ``mita_deit_{tiny,small,base}_patch16_224`` and their ``_dwc`` and
-``_dwc_gate`` variants (the authors' MiTA-DeiT models, m = k = 25 at 224 px), so
-``timm.create_model`` and scripts built on it find them. Any MiTA option can be passed to
-``create_model`` (``num_landmarks=49, topk=49, compat="official"``).
+Importing this module (``import mita`` does so as soon as timm is imported) registers
+``mita_deit_{tiny,small,base}_patch16_224`` and their ``_dwc`` and ``_dwc_gate`` variants (the
+authors' MiTA-DeiT models, m = k = 25 at 224 px), so ``timm.create_model`` and scripts built on
+it find them. Any MiTA option can be passed to ``create_model`` (``num_landmarks=49, topk=49,
+compat="official"``).
 
 The models are timm ``VisionTransformer``s whose ``Attention`` modules are swapped by
 :func:`convert`; parameter names stay timm's, so the authors' checkpoints (timm DeiT layout,
@@ -248,3 +249,6 @@ def register_models() -> list[str]:
             if not timm.is_model(name):
                 register_model(_entrypoint(name, size, variant))
     return MODEL_NAMES
+
+
+register_models()

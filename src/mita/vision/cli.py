@@ -1,10 +1,151 @@
-"""``mita vision``: command-line entry (placeholder until the vision commands land)."""
+"""``mita vision``: FLOP tables, the digits experiments (swap, robustness, pruning) and the ImageNet trainer."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+import torch
+
+from .digits import DigitsSetup
+from .experiments import ROBUSTNESS_K, ROBUSTNESS_M
+
+_DIGITS_DEFAULTS = DigitsSetup()
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command that produced a report, rebuilt from the parsed arguments."""
+    parts = ["mita vision", args.vision_command]
+    for key, value in vars(args).items():
+        if key in ("func", "command", "vision_command") or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        elif isinstance(value, (list, tuple)):
+            parts.append(f"{flag} {' '.join(str(v) for v in value)}")
+        else:
+            parts.append(f"{flag} {value}")
+    return " ".join(parts)
+
+
+def _setup(args: argparse.Namespace, attention: str) -> DigitsSetup:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    return DigitsSetup(attention=attention, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+
+
+def _flops(args: argparse.Namespace) -> int:
+    from . import flops
+
+    rows = [flops.backbone_row(b, counted=not args.no_counted) for b in flops.TABLE_BACKBONES]
+    sweep = flops.length_sweep()
+    at512 = {r["model"]: r["reduction (%)"] for r in rows if r["N"] == 1025}
+    claim = ", ".join(f"{name} {value:.1f}%" for name, value in at512.items())
+    text = "\n".join([
+        "## FLOPs and parameters, full attention vs MiTA (batch 1, FLOPs = 2 x MACs)",
+        "",
+        flops.markdown_table(rows),
+        f"Reduction at 512x512 (backbone only), measured: {claim}. The paper: {flops.PAPER_CLAIM}.",
+        "",
+        "## FLOPs against sequence length (ViT-S backbone, m = k = 49)",
+        "",
+        flops.markdown_table(sweep),
+    ])  # fmt: skip
+    print(text)
+    if args.out:
+        from .experiments import _plt, prepare_output
+
+        out = prepare_output(args.out, args.force)
+        lengths = [2**p for p in range(7, 17)]
+        per_head = flops.method_flops_per_head(lengths)
+        plt = _plt()
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for name, values in per_head.items():
+            ax1.loglog(lengths, values, marker=".", label=name)
+        ax1.set(xlabel="sequence length N", ylabel="attention FLOPs per head (D = 64)", title="registry defaults")
+        ax1.legend(fontsize=7)
+        n = [r["N"] for r in sweep]
+        ax2.plot(n, [r["full GFLOPs"] for r in sweep], marker="o", label="full attention")
+        ax2.plot(n, [r["MiTA GFLOPs"] for r in sweep], marker="o", label="MiTA, m = k = 49")
+        ax2.set(xlabel="tokens N (224 to 1024 px)", ylabel="GFLOPs", title="ViT-S backbone")
+        ax2.legend()
+        fig.tight_layout()
+        fig.savefig(out / "flops_vs_length.png", dpi=120)
+        plt.close(fig)
+        figure = "![FLOPs against length](flops_vs_length.png)"
+        (out / "report.md").write_text(f"# FLOP tables\n\nCommand: `{command_line(args)}`\n\n{text}\n{figure}\n")
+        print(f"wrote {out / 'report.md'}")
+    return 0
+
+
+def _swap(args: argparse.Namespace) -> int:
+    from .experiments import prepare_output, run_swap
+
+    out = prepare_output(args.out, args.force)
+    run_swap(out, _setup(args, "sdpa"), args.attention, command_line(args), force=args.force)
+    print(f"wrote {out / 'report.md'}")
+    return 0
+
+
+def _robustness(args: argparse.Namespace) -> int:
+    from .experiments import prepare_output, run_robustness
+
+    out = prepare_output(args.out, args.force)
+    run_robustness(out, _setup(args, args.train_attention), tuple(args.m), tuple(args.k), command_line(args),
+                   force=args.force)  # fmt: skip
+    print(f"wrote {out / 'report.md'}")
+    return 0
+
+
+def _pruning(args: argparse.Namespace) -> int:
+    from .experiments import prepare_output, run_pruning
+
+    out = prepare_output(args.out, args.force)
+    run_pruning(out, _setup(args, args.train_attention), command_line(args), force=args.force)
+    print(f"wrote {out / 'report.md'}")
+    return 0
+
+
+def _digits_arguments(p: argparse.ArgumentParser, out: str) -> None:
+    p.add_argument("--out", type=Path, default=Path(out), help=f"output folder (default {out})")
+    p.add_argument("--force", action="store_true", help="overwrite an existing report (and a mismatched checkpoint)")
+    p.add_argument("--epochs", type=int, default=_DIGITS_DEFAULTS.epochs)
+    p.add_argument("--batch-size", type=int, default=_DIGITS_DEFAULTS.batch_size)
+    p.add_argument("--lr", type=float, default=_DIGITS_DEFAULTS.lr)
+    p.add_argument("--seed", type=int, default=_DIGITS_DEFAULTS.seed)
+    p.add_argument("--threads", type=int, help="torch threads (1 is fastest on a busy machine)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("vision", help="vision experiments (not available yet)")
-    p.set_defaults(func=lambda args: print("mita vision: not available yet") or 1)
+    from .train import add_train_parser
+
+    parser = sub.add_parser("vision", help="ViTs with MiTA: FLOP tables, digits experiments, ImageNet trainer")
+    vision = parser.add_subparsers(dest="vision_command", required=True, metavar="VISION_COMMAND")
+
+    p = vision.add_parser("flops", help="FLOP and parameter tables, full attention vs MiTA")
+    p.add_argument("--out", type=Path, help="also write report.md and flops_vs_length.png here")
+    p.add_argument("--force", action="store_true", help="overwrite an existing report")
+    p.add_argument("--no-counted", action="store_true", help="skip counting the MiTA implementation itself")
+    p.set_defaults(func=_flops)
+
+    p = vision.add_parser("swap", help="train with SDPA, evaluate with MiTA and the other methods")
+    _digits_arguments(p, "runs/vision/swap")
+    p.add_argument("--attention", nargs="+", help="configs to evaluate (default: every registered method)")
+    p.set_defaults(func=_swap)
+
+    p = vision.add_parser("robustness", help="train MiTA with small m, k; evaluate on a grid of larger m, k")
+    _digits_arguments(p, "runs/vision/robustness")
+    p.add_argument("--train-attention", default="mita:num_landmarks=4,topk=4", help="the MiTA config trained")
+    p.add_argument("--m", type=int, nargs="+", default=list(ROBUSTNESS_M), help="landmarks (squares)")
+    p.add_argument("--k", type=int, nargs="+", default=list(ROBUSTNESS_K), help="keys per expert")
+    p.set_defaults(func=_robustness)
+
+    p = vision.add_parser("pruning", help="tokens no MiTA expert selects, per layer, and heat maps")
+    _digits_arguments(p, "runs/vision/pruning")
+    p.add_argument("--train-attention", default="mita:num_landmarks=16,topk=16", help="the MiTA config trained")
+    p.set_defaults(func=_pruning)
+
+    add_train_parser(vision)

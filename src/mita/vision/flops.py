@@ -127,9 +127,10 @@ def backbone_row(b: Backbone, counted: bool = True) -> dict[str, float | int | s
     return row
 
 
-def length_sweep(sizes: tuple[int, ...] = SWEEP_SIZES, m: int = 49) -> list[dict[str, float | int | str]]:
-    """ViT-S backbone FLOPs against image size (sequence length), m = k fixed."""
-    return [backbone_row(Backbone("ViT-S backbone", 384, 12, 6, s, m, num_classes=0), counted=False) for s in sizes]
+def length_sweep(sizes: tuple[int, ...] | None = None, m: int = 49) -> list[dict[str, float | int | str]]:
+    """ViT-S backbone FLOPs against image size (default :data:`SWEEP_SIZES`), m = k fixed."""
+    return [backbone_row(Backbone("ViT-S backbone", 384, 12, 6, s, m, num_classes=0), counted=False)
+            for s in sizes or SWEEP_SIZES]  # fmt: skip
 
 
 def method_flops_per_head(lengths: list[int], d: int = 64) -> dict[str, list[float]]:

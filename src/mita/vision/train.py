@@ -1,0 +1,208 @@
+"""``mita vision train``: the ImageNet-1K recipe for MiTA-DeiT, a small DeiT-style trainer.
+
+It trains any timm model name (the registered ``mita_deit_*`` ones included) on an
+ImageFolder tree (``DATA/train/<class>/*.JPEG``, ``DATA/val/<class>/*.JPEG``) with the DeiT
+recipe's pieces from timm (RandAugment, random erasing, Mixup/CutMix, label smoothing, AdamW,
+cosine schedule with warm-up, stochastic depth). Launched by ``torchrun`` it runs data-parallel
+(one process per GPU, NCCL; gloo on CPU). Every epoch it saves ``OUTPUT/checkpoint.pth``;
+``--resume`` continues from it, and an existing checkpoint is never overwritten without
+``--resume`` or ``--force``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import attention as registry
+
+
+def _model_args(text: str | None) -> dict[str, Any]:
+    """``key=value,...`` (the registry's option syntax) as a dict."""
+    return {} if not text else registry.parse("model:" + text)[1]
+
+
+def _setup_distributed() -> tuple[bool, int, int, torch.device]:
+    """(distributed, rank, world size, device), from torchrun's environment."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
+    if world > 1:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        return True, dist.get_rank(), world, device
+    return False, 0, 1, device
+
+
+def _check_args(args: argparse.Namespace) -> tuple[Path, Path]:
+    data, output = Path(args.data), Path(args.output)
+    for split in ("train", "val"):
+        if not (data / split).is_dir():
+            raise FileNotFoundError(f"--data {data} needs an ImageFolder tree with {split}/<class>/<images>")
+    for name in ("epochs", "batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.lr <= 0:
+        raise ValueError(f"--lr must be > 0, got {args.lr}")
+    if (args.mixup > 0 or args.cutmix > 0) and args.batch_size % 2:
+        raise ValueError(
+            f"Mixup/CutMix needs an even --batch-size, got {args.batch_size} (or pass --mixup 0 --cutmix 0)"
+        )
+    if (output / "checkpoint.pth").exists() and not (args.resume or args.force):
+        raise ValueError(f"{output / 'checkpoint.pth'} exists; pass --resume to continue it or --force to start over")
+    if args.resume and not (output / "checkpoint.pth").exists():
+        raise FileNotFoundError(f"--resume: no checkpoint at {output / 'checkpoint.pth'}")
+    return data, output
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Train and evaluate; returns the last epoch's summary (also written to OUTPUT/summary.json)."""
+    import timm
+    from timm.data import Mixup, create_transform, resolve_data_config
+    from timm.loss import SoftTargetCrossEntropy
+    from timm.optim import create_optimizer_v2
+    from timm.scheduler import CosineLRScheduler
+    from torchvision.datasets import ImageFolder
+
+    from ..integrations.timm import register_models
+
+    data, output = _check_args(args)
+    register_models()
+    distributed, rank, world, device = _setup_distributed()
+    torch.manual_seed(args.seed + rank)
+    classes = ImageFolder(data / "val").classes
+    model = timm.create_model(
+        args.model, num_classes=len(classes), drop_path_rate=args.drop_path, img_size=args.img_size,
+        **_model_args(args.model_args),
+    ).to(device)  # fmt: skip
+    cfg = resolve_data_config({"input_size": (3, args.img_size, args.img_size)}, model=model)
+    train_set = ImageFolder(data / "train", create_transform(
+        **cfg, is_training=True, auto_augment=args.aa or None, re_prob=args.reprob))  # fmt: skip
+    val_set = ImageFolder(data / "val", create_transform(**cfg))
+    if train_set.classes != classes:
+        raise ValueError(f"train and val classes differ: {train_set.classes} vs {classes}")
+    sampler = torch.utils.data.DistributedSampler(train_set, seed=args.seed) if distributed else None
+    loader = torch.utils.data.DataLoader(
+        train_set, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler,
+        num_workers=args.workers, drop_last=len(train_set) >= args.batch_size * world, pin_memory=device.type == "cuda",
+    )  # fmt: skip
+    val_loader = torch.utils.data.DataLoader(val_set, batch_size=args.batch_size, num_workers=args.workers)
+    lr = args.lr * args.batch_size * world / 512  # DeiT's linear scaling rule
+    optimizer = create_optimizer_v2(model, "adamw", lr=lr, weight_decay=args.weight_decay)
+    scheduler = CosineLRScheduler(optimizer, t_initial=args.epochs, warmup_t=args.warmup_epochs,
+                                  warmup_lr_init=1e-6, lr_min=1e-5)  # fmt: skip
+    mixup = None
+    if args.mixup > 0 or args.cutmix > 0:
+        mixup = Mixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, label_smoothing=args.smoothing,
+                      num_classes=len(classes))  # fmt: skip
+    criterion = SoftTargetCrossEntropy() if mixup else torch.nn.CrossEntropyLoss(label_smoothing=args.smoothing)
+    start, steps, best = 0, 0, 0.0
+    ckpt = output / "checkpoint.pth"
+    if args.resume:
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start, steps, best = state["epoch"], state["steps"], state["best"]
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None) \
+        if distributed else model  # fmt: skip
+    if rank == 0:
+        output.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {}
+    for epoch in range(start, args.epochs):
+        scheduler.step(epoch)
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        ddp.train()
+        t0, total, seen = time.perf_counter(), 0.0, 0
+        for images, targets in loader:
+            images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            if mixup is not None:
+                images, targets = mixup(images, targets)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
+                loss = criterion(ddp(images), targets)
+            if not math.isfinite(float(loss.detach())):
+                raise ValueError(f"the loss is {float(loss)} at step {steps}; lower --lr or check the data")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if args.clip_grad:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+            optimizer.step()
+            total, seen, steps = total + float(loss.detach()) * len(images), seen + len(images), steps + 1
+            if args.max_steps and steps >= args.max_steps:
+                break
+        accuracy = evaluate(model, val_loader, device, args.amp)
+        best = max(best, accuracy)
+        summary = {
+            "epoch": epoch + 1, "steps": steps, "train_loss": total / max(seen, 1), "val_top1": accuracy,
+            "best_val_top1": best, "epoch_seconds": time.perf_counter() - t0, "lr": optimizer.param_groups[0]["lr"],
+        }  # fmt: skip
+        if rank == 0:
+            recipe = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"}
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1,
+                     "steps": steps, "best": best, "args": recipe}  # fmt: skip
+            torch.save(state, output / "checkpoint.tmp")
+            (output / "checkpoint.tmp").replace(ckpt)
+            with open(output / "log.jsonl", "a") as f:
+                f.write(json.dumps(summary) + "\n")
+            (output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            print(json.dumps(summary))
+        if args.max_steps and steps >= args.max_steps:
+            break
+    if distributed:
+        dist.destroy_process_group()
+    return summary
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader, device: torch.device, amp: bool = False) -> float:
+    """Top-1 accuracy (%) on the validation loader (every process evaluates the whole set)."""
+    model.eval()
+    correct = total = 0
+    for images, targets in loader:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            logits = model(images.to(device))
+        correct += int((logits.argmax(-1).cpu() == targets).sum())
+        total += len(targets)
+    return 100.0 * correct / max(total, 1)
+
+
+def add_train_parser(vision: argparse._SubParsersAction) -> None:
+    p = vision.add_parser("train", help="train a (MiTA-)DeiT on an ImageFolder tree; run it under torchrun")
+    p.add_argument("--data", required=True, help="folder with train/<class>/... and val/<class>/...")
+    p.add_argument("--output", required=True, help="folder for checkpoint.pth, log.jsonl, summary.json")
+    p.add_argument("--model", default="mita_deit_small_patch16_224", help="any timm model name")
+    p.add_argument("--model-args", help="extra create_model options, e.g. 'num_landmarks=25,topk=25,compat=official'")
+    p.add_argument("--img-size", type=int, default=224)
+    p.add_argument("--epochs", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=128, help="per process (DeiT: 8 GPUs x 128 = 1024)")
+    p.add_argument("--lr", type=float, default=5e-4, help="for a total batch of 512, scaled linearly")
+    p.add_argument("--weight-decay", type=float, default=0.05)
+    p.add_argument("--warmup-epochs", type=int, default=5)
+    p.add_argument("--drop-path", type=float, default=0.1)
+    p.add_argument("--aa", default="rand-m9-mstd0.5-inc1", help="timm auto-augment policy ('' for none)")
+    p.add_argument("--reprob", type=float, default=0.25, help="random erasing probability")
+    p.add_argument("--mixup", type=float, default=0.8)
+    p.add_argument("--cutmix", type=float, default=1.0)
+    p.add_argument("--smoothing", type=float, default=0.1)
+    p.add_argument("--clip-grad", type=float, default=None)
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--amp", action="store_true", help="bfloat16 autocast")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (smoke tests)")
+    p.add_argument("--resume", action="store_true", help="continue from OUTPUT/checkpoint.pth")
+    p.add_argument("--force", action="store_true", help="start over even if OUTPUT/checkpoint.pth exists")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    run(args)
+    return 0
