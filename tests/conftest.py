@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread per worker: no oversubscribed cores
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread per worker (and its subprocesses): no oversubscribed cores
+    os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(
