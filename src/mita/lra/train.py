@@ -1,0 +1,466 @@
+"""Training and evaluation of LRA models: one process or several under ``torchrun`` (DDP).
+
+Exact resume: the batch of step t is a slice of a permutation seeded by (seed, epoch),
+and the dropout RNG is re-seeded from (seed, step, rank) before every step, so a run
+restored from a checkpoint (model, optimizer, scheduler, scaler, step, RNG states)
+continues exactly as if it had never stopped. A global batch is split over ranks and
+then into ``accum`` micro-batches; the loss is the sum over the global batch divided
+by its size, so any (ranks x accumulation) split computes the same update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .data.loaders import Split, TaskData
+from .models import Classifier, set_attention_options
+
+CHECKPOINT = "checkpoint.pt"
+BEST = "best.pt"
+METRICS = "metrics.csv"
+CSV_FIELDS = ["step", "epoch", "split", "loss", "accuracy", "lr", "samples_per_s", "train_seconds"]
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's place in a (possibly single-process) run."""
+
+    rank: int = 0
+    world: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def all_sum(self, values: list[float]) -> list[float]:
+        """Element-wise sum over ranks (identity in one process)."""
+        if self.world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+
+def init_distributed(device: str | None = None) -> Dist:
+    """Join the ``torchrun`` process group if its environment is set (gloo on CPU, NCCL on CUDA)."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Dist(0, 1, dev)
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local)
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world)
+    return Dist(rank, world, dev)
+
+
+def lr_factor(step: int, schedule: str, warmup: int, total: int) -> float:
+    """Learning-rate multiplier at ``step``: linear warmup, then "linear" / "cosine" decay to 0,
+    "constant", or LRA's "rsqrt" (min(1, t/w) / sqrt(max(t, w)))."""
+    t = step + 1
+    warm = min(1.0, t / warmup) if warmup > 0 else 1.0
+    if schedule == "rsqrt":
+        return warm / math.sqrt(max(t, warmup, 1))
+    if t <= warmup or schedule == "constant":
+        return warm
+    frac = min(1.0, (t - warmup) / max(1, total - warmup))
+    if schedule == "linear":
+        return 1.0 - frac
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * frac))
+    raise ValueError(f"train.schedule must be 'linear', 'cosine', 'constant' or 'rsqrt', got {schedule!r}")
+
+
+def build_model(config: dict[str, Any], data_meta: dict[str, Any], attention: Any) -> Classifier:
+    """The classifier for a task's metadata (vocab, classes, length, dual) and the config's model section."""
+    return Classifier(
+        num_classes=data_meta["num_classes"], dual=data_meta["dual"], vocab_size=data_meta["vocab_size"],
+        max_length=data_meta["max_length"], attention=attention, **config["model"],
+    )  # fmt: skip
+
+
+def meta_of(data: TaskData) -> dict[str, Any]:
+    return {k: getattr(data, k) for k in ("vocab_size", "num_classes", "max_length", "dual")}
+
+
+def _batch(split: Split, idx: torch.Tensor, device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Inputs (trimmed to the longest real sequence) and labels of the samples ``idx``."""
+
+    def take(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        width = max(1, int(lengths[idx].max()))
+        return tokens[idx, :width].to(device, torch.long)
+
+    inputs = [take(split.tokens, split.lengths)]
+    if split.tokens2 is not None:
+        inputs.append(take(split.tokens2, split.lengths2))
+    return inputs, split.labels[idx].to(device)
+
+
+def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if precision not in ("bf16", "fp16"):
+        raise ValueError(f"train.precision must be 'fp32', 'bf16' or 'fp16', got {precision!r}")
+    if precision == "fp16" and device.type != "cuda":
+        raise ValueError("train.precision='fp16' needs a CUDA device; use 'bf16' or 'fp32' on CPU")
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module, split: Split, batch_size: int, ctx: Dist, precision: str = "fp32",
+    max_samples: int | None = None,
+) -> dict[str, float]:  # fmt: skip
+    """Loss, accuracy and throughput (samples/s) on ``split`` (sharded over ranks)."""
+    was_training = model.training
+    model.eval()
+    n = len(split) if max_samples is None else min(len(split), max_samples)
+    idx = torch.arange(ctx.rank, n, ctx.world)
+    loss = correct = 0.0
+    seconds = 0.0
+    for lo in range(0, len(idx), batch_size):
+        inputs, labels = _batch(split, idx[lo : lo + batch_size], ctx.device)
+        start = time.perf_counter()
+        with _autocast(ctx.device, precision):
+            logits = model(*inputs).float()
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        seconds += time.perf_counter() - start
+        loss += float(F.cross_entropy(logits, labels, reduction="sum"))
+        correct += float((logits.argmax(-1) == labels).sum())
+    loss, correct, seconds_sum = ctx.all_sum([loss, correct, seconds])
+    model.train(was_training)
+    return {
+        "loss": loss / max(n, 1), "accuracy": correct / max(n, 1),
+        "samples_per_s": n / max(seconds_sum / ctx.world, 1e-9),
+    }  # fmt: skip
+
+
+def batch_indices(num_samples: int, global_batch: int, seed: int, step: int) -> torch.Tensor:
+    """The global batch of ``step``: a slice of epoch ``step // steps_per_epoch``'s seeded permutation."""
+    per_epoch = num_samples // global_batch
+    if per_epoch < 1:
+        raise ValueError(f"train.batch_size={global_batch} exceeds the {num_samples} training samples")
+    epoch, pos = divmod(step, per_epoch)
+    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    return order[pos * global_batch : (pos + 1) * global_batch]
+
+
+def _step_seed(seed: int, step: int, rank: int) -> int:
+    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_atomic(obj: Any, path: Path) -> None:
+    """``torch.save`` to a temporary file, then rename: a crash never leaves a half-written checkpoint."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+class _Logger:
+    """CSV and TensorBoard logs of the main rank; on resume, rows after the checkpoint are dropped."""
+
+    def __init__(self, run_dir: Path, step: int, enabled: bool, tensorboard: bool) -> None:
+        self.enabled, self.path, self.tb = enabled, run_dir / METRICS, None
+        if not enabled:
+            return
+        kept = []
+        if self.path.exists():
+            with open(self.path, newline="") as f:
+                kept = [r for r in csv.DictReader(f) if int(r["step"]) <= step]
+        with open(self.path, "w", newline="") as f:
+            writer = csv.DictWriter(f, CSV_FIELDS)
+            writer.writeheader()
+            writer.writerows(kept)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=step + 1 if step else None)
+
+    def log(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a", newline="") as f:
+            csv.DictWriter(f, CSV_FIELDS).writerow({k: row.get(k, "") for k in CSV_FIELDS})
+        if self.tb is not None:
+            for key in ("loss", "accuracy", "lr", "samples_per_s"):
+                if row.get(key, "") != "":
+                    self.tb.add_scalar(f"{row['split']}/{key}", float(row[key]), row["step"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def prepare_run_dir(run_dir: Path, resume: bool, ctx: Dist) -> bool:
+    """Check the run folder: returns True when there is a checkpoint to resume.
+
+    An existing non-empty folder is resumed only with ``resume=True``; otherwise a
+    FileExistsError says so (a run is never overwritten silently).
+    """
+    has_ckpt = (run_dir / CHECKPOINT).exists()
+    if resume:
+        if not has_ckpt:
+            raise FileNotFoundError(f"--resume: no {CHECKPOINT} in {run_dir}; start a new run without --resume")
+        return True
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise FileExistsError(
+            f"run folder {run_dir} exists and is not empty; pass --resume to continue it or choose another --run-dir"
+        )
+    if ctx.main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    return False
+
+
+def train(
+    config: dict[str, Any],
+    data: TaskData,
+    run_dir: str | Path,
+    attention: Any = "sdpa",
+    resume: bool = False,
+    stop_after: int | None = None,
+    time_limit: float | None = None,
+    progress: bool = True,
+    tensorboard: bool = True,
+    ctx: Dist | None = None,
+) -> dict[str, Any]:
+    """Train (or resume) a run in ``run_dir``; returns its summary (also written to ``summary.json``).
+
+    ``stop_after`` (steps) and ``time_limit`` (seconds of this invocation) stop early with a
+    checkpoint, to be continued with ``resume=True``.
+    """
+    from tqdm import tqdm
+
+    ctx = ctx or init_distributed()
+    run_dir = Path(run_dir)
+    resuming = prepare_run_dir(run_dir, resume, ctx)
+    if ctx.world > 1:
+        dist.barrier()
+    state = torch.load(run_dir / CHECKPOINT, map_location="cpu", weights_only=False) if resuming else None
+    if state is not None:
+        config, attention = state["config"], state["attention"]
+    tc = config["train"]
+    gb, accum, steps = int(tc["batch_size"]), int(tc.get("accum", 1)), int(tc["steps"])
+    if gb % (ctx.world * accum):
+        raise ValueError(f"train.batch_size={gb} must be divisible by ranks x train.accum = {ctx.world} x {accum}")
+    train_split = data.splits["train"]
+    if tc.get("train_subset"):
+        train_split = train_split.subset(int(tc["train_subset"]))
+    per_epoch = len(train_split) // gb
+
+    torch.manual_seed(int(tc["seed"]))
+    model = build_model(config, meta_of(data), attention).to(ctx.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=float(tc["lr"]), weight_decay=float(tc["weight_decay"]),
+                            betas=tuple(tc.get("betas", (0.9, 0.999))))  # fmt: skip
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, tc["schedule"], int(tc["warmup"]), steps))
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=tc.get("precision", "fp32") == "fp16")
+    step, best, train_seconds = 0, -1.0, 0.0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        step, best, train_seconds = state["step"], state["best_val"], state["train_seconds"]
+        _set_rng_state(state["rng"])
+    elif ctx.main:
+        (run_dir / "config.json").write_text(json.dumps({"config": config, "attention": attention}, indent=2))
+    ddp = (
+        torch.nn.parallel.DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
+        if ctx.world > 1
+        else model
+    )
+    logger = _Logger(run_dir, step, ctx.main, tensorboard)
+    precision = tc.get("precision", "fp32")
+
+    def checkpoint(path: Path) -> None:
+        if ctx.main:
+            save_atomic({
+                "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                "scaler": scaler.state_dict(), "step": step, "best_val": best, "train_seconds": train_seconds,
+                "rng": _rng_state(), "config": config, "attention": attention, "meta": meta_of(data),
+                "world_size": ctx.world,
+            }, path)  # fmt: skip
+
+    def run_eval(split: str) -> dict[str, float]:
+        res = evaluate(model, data.splits[split], int(tc["eval_batch_size"]), ctx, precision,
+                       tc.get("eval_samples"))  # fmt: skip
+        logger.log({"step": step, "epoch": step / max(per_epoch, 1), "split": split, **res,
+                    "train_seconds": train_seconds})  # fmt: skip
+        return res
+
+    bar = tqdm(total=steps, initial=step, disable=not (progress and ctx.main), desc=f"train {attention}")
+    started, stopped = time.perf_counter(), False
+    window = {"loss": 0.0, "correct": 0.0, "count": 0.0, "seconds": 0.0}
+    model.train()
+    while step < steps:
+        if (stop_after is not None and step >= stop_after) or (
+            time_limit is not None and time.perf_counter() - started > time_limit
+        ):
+            stopped = True
+            break
+        tick = time.perf_counter()
+        torch.manual_seed(_step_seed(int(tc["seed"]), step, ctx.rank))
+        idx = batch_indices(len(train_split), gb, int(tc["seed"]), step)[ctx.rank :: ctx.world]
+        opt.zero_grad(set_to_none=True)
+        loss_sum = correct = 0.0
+        for j, micro in enumerate(idx.chunk(accum)):
+            inputs, labels = _batch(train_split, micro, ctx.device)
+            sync = ddp.no_sync() if ctx.world > 1 and j < accum - 1 else contextlib.nullcontext()
+            with sync:
+                with _autocast(ctx.device, precision):
+                    logits = ddp(*inputs).float()
+                loss = F.cross_entropy(logits, labels, reduction="sum")
+                scaler.scale(loss * (ctx.world / gb)).backward()
+            loss_sum += float(loss.detach())
+            correct += float((logits.detach().argmax(-1) == labels).sum())
+        if tc.get("grad_clip"):
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), float(tc["grad_clip"]))
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        step += 1
+        elapsed = time.perf_counter() - tick
+        train_seconds += elapsed
+        loss_sum, correct = ctx.all_sum([loss_sum, correct])
+        for key, value in (("loss", loss_sum), ("correct", correct), ("count", gb), ("seconds", elapsed)):
+            window[key] += value
+        bar.update(1)
+        if step % int(tc["log_every"]) == 0 or step == steps:
+            row = {"loss": window["loss"] / window["count"], "accuracy": window["correct"] / window["count"],
+                   "samples_per_s": window["count"] / max(window["seconds"], 1e-9)}  # fmt: skip
+            bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.3f}",
+                            sps=f"{row['samples_per_s']:.1f}")  # fmt: skip
+            logger.log({"step": step, "epoch": step / per_epoch, "split": "train", "lr": sched.get_last_lr()[0],
+                        "train_seconds": train_seconds, **row})  # fmt: skip
+            window = dict.fromkeys(window, 0.0)
+        if step % int(tc["eval_every"]) == 0 or step == steps:
+            res = run_eval("val")
+            if res["accuracy"] > best:
+                best = res["accuracy"]
+                checkpoint(run_dir / BEST)
+        if step % int(tc["checkpoint_every"]) == 0 or step == steps:
+            checkpoint(run_dir / CHECKPOINT)
+    bar.close()
+    if stopped:
+        checkpoint(run_dir / CHECKPOINT)
+    summary: dict[str, Any] = {"step": step, "steps": steps, "finished": step >= steps, "attention": attention,
+                               "best_val_accuracy": best, "train_seconds": train_seconds}  # fmt: skip
+    if step >= steps:
+        final = run_eval("test")
+        summary.update(test_accuracy_last=final["accuracy"], test_samples_per_s=final["samples_per_s"])
+        if (run_dir / BEST).exists():
+            best_model = torch.load(run_dir / BEST, map_location="cpu", weights_only=False)
+            live = model.state_dict()
+            model.load_state_dict(best_model["model"])
+            summary["test_accuracy_best_val"] = evaluate(model, data.splits["test"], int(tc["eval_batch_size"]),
+                                                         ctx, precision)["accuracy"]  # fmt: skip
+            model.load_state_dict(live)
+    if ctx.main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    logger.close()
+    return summary
+
+
+def evaluate_checkpoint(
+    path: str | Path,
+    data: TaskData,
+    attention: Any = None,
+    options: dict[str, Any] | None = None,
+    split: str = "test",
+    batch_size: int | None = None,
+    ctx: Dist | None = None,
+) -> dict[str, Any]:
+    """Accuracy of a checkpoint on ``split``, optionally with another attention (swap) or other
+    call-time options such as MiTA's ``num_landmarks`` / ``topk`` / ``num_routed`` (robustness)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / BEST if (path / BEST).exists() else path / CHECKPOINT
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} not found; pass a run folder or a .pt file")
+    if split not in data.splits:
+        raise ValueError(f"split must be one of {list(data.splits)}, got {split!r}")
+    ctx = ctx or init_distributed()
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if state["meta"] != meta_of(data):
+        raise ValueError(f"checkpoint {path} was trained on data {state['meta']}, not {meta_of(data)}")
+    used = attention if attention is not None else state["attention"]
+    model = build_model(state["config"], state["meta"], used).to(ctx.device)
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    if options:
+        set_attention_options(model, **options)
+    tc = state["config"]["train"]
+    res = evaluate(model, data.splits[split], batch_size or int(tc["eval_batch_size"]), ctx,
+                   tc.get("precision", "fp32"))  # fmt: skip
+    return {"checkpoint": str(path), "step": state["step"], "trained_with": state["attention"], "attention": used,
+            "options": options or {}, "split": split, **res, "missing_keys": missing,
+            "unexpected_keys": unexpected}  # fmt: skip
+
+
+def speed(
+    config: dict[str, Any], meta: dict[str, Any], attention: Any, lengths: list[int], batch_size: int,
+    steps: int = 5, warmup: int = 1, mode: str = "train", device: str = "cpu",
+) -> Iterator[dict[str, Any]]:  # fmt: skip
+    """Seconds per step (``mode="train"``: forward, backward, optimizer step) or inference
+    samples/s (``mode="eval"``) of the config's model on random tokens at each length."""
+    if mode not in ("train", "eval"):
+        raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}")
+    for n in lengths:
+        torch.manual_seed(0)
+        model = build_model(config, {**meta, "max_length": n}, attention).to(device).train(mode == "train")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        tokens = torch.randint(1, meta["vocab_size"], (batch_size, n), device=device)
+        pair = [tokens, tokens.flip(0)] if meta["dual"] else [tokens]
+        labels = torch.randint(0, meta["num_classes"], (batch_size,), device=device)
+        times = []
+        for i in range(warmup + steps):
+            start = time.perf_counter()
+            if mode == "train":
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(model(*pair), labels).backward()
+                opt.step()
+            else:
+                with torch.no_grad():
+                    model(*pair)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+        median = float(np.median(times))
+        yield {"attention": attention if isinstance(attention, str) else json.dumps(attention), "length": n,
+               "mode": mode, "batch_size": batch_size, "seconds_per_step": median,
+               "samples_per_s": batch_size / median}  # fmt: skip
