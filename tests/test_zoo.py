@@ -139,6 +139,17 @@ def test_mita_shared_is_attention_over_the_landmarks_compressed_values():
     torch.testing.assert_close(out, agent_attention(q, k, v, num_agents=m))  # the same closed form
 
 
+def test_agent_attention_with_given_agents():
+    q, k, v = qkv()
+    agents = torch.randn(2, 4, 3, 8, dtype=F64)
+    out = agent_attention(q, k, v, num_agents=1, agents=agents)
+    torch.testing.assert_close(out, agent_attention_reference(q, k, v, num_agents=1, agents=agents))
+    expected = torch.softmax(q @ agents.transpose(-1, -2) / 8**0.5, -1) @ (
+        torch.softmax(agents @ k.repeat_interleave(2, 1).transpose(-1, -2) / 8**0.5, -1) @ v.repeat_interleave(2, 1)
+    )
+    torch.testing.assert_close(out, expected)
+
+
 def test_mita_routed_with_k_equal_n_is_softmax_attention():
     q, k, v = qkv(Nq=30, Nk=30)
     out = registry.build_op("mita_routed:num_landmarks=4,topk=30")(q, k, v)
@@ -330,7 +341,8 @@ OP_ERRORS = [
     (nystrom_attention, {"num_landmarks": 0}, ValueError, "num_landmarks"),
     (nystrom_attention, {"num_landmarks": 4, "pinv_iterations": 0}, ValueError, "pinv_iterations"),
     (nystrom_attention, {"num_landmarks": 4, "dropout_p": 0.2}, ValueError, "dropout_p"),
-    (agent_attention, {"num_agents": 0}, ValueError, "num_landmarks"),
+    (agent_attention, {"num_agents": 0}, ValueError, "num_agents must be an int >= 1"),
+    (agent_attention, {"num_agents": 4, "agents": torch.zeros(2, 4, 3)}, ValueError, "agents must be a tensor"),
     (agent_attention, {"num_agents": 4, "grid": (3, 3)}, ValueError, "grid"),
     (agent_attention, {"num_agents": 4, "aggregate_bias": torch.zeros(3, 4, 12)}, ValueError, "aggregate_bias"),
     (agent_attention, {"num_agents": 4, "broadcast_bias": torch.zeros(4, 12, 5)}, ValueError, "broadcast_bias"),

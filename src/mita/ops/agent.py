@@ -18,15 +18,23 @@ from ..attention import Method, Taxonomy, register
 from ..layers.agent import AgentAttention
 from .mita.grouped import pool_landmarks
 from .mita.naive import pool_landmarks_reference
-from .topk import check_inputs, key_mask_of, softmax_allowed, zero_padded
+from .topk import check_inputs, real_keys, softmax_allowed, zero_padded
 
 
-def _check(q, k, v, num_agents, grid, num_prefix_tokens, key_padding_mask, dropout_p, scale, agents, biases):
-    """Validated config; each bias must broadcast to its logits (B, H, n, Nk) and (B, H, Nq, n)."""
-    cfg = check_inputs(
-        q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale, num_landmarks=num_agents,
-        grid=grid, num_prefix_tokens=num_prefix_tokens, landmarks=agents,
-    )  # fmt: skip
+def _prepare(q, k, v, num_agents, grid, num_prefix_tokens, key_padding_mask, dropout_p, scale, agents, biases, pool):
+    """Validated config and the agents (given, or pooled by ``pool``).
+
+    MiTA's checks and pooling speak of landmarks; their errors are re-worded for agents.
+    Each bias must broadcast to its logits, (B, H, n, Nk) and (B, H, Nq, n).
+    """
+    try:
+        cfg = check_inputs(
+            q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale, num_landmarks=num_agents,
+            grid=grid, num_prefix_tokens=num_prefix_tokens, landmarks=agents,
+        )  # fmt: skip
+        agents = pool(q, cfg) if agents is None else agents
+    except (ValueError, TypeError) as err:
+        raise type(err)(str(err).replace("landmark", "agent")) from None
     B, H, Nq, _ = q.shape
     shapes = {"aggregate_bias": (B, H, cfg.m, k.shape[2]), "broadcast_bias": (B, H, Nq, cfg.m)}
     for name, bias in zip(shapes, biases):
@@ -38,7 +46,7 @@ def _check(q, k, v, num_agents, grid, num_prefix_tokens, key_padding_mask, dropo
             torch.broadcast_shapes(bias.shape, shapes[name])
         except RuntimeError:
             raise ValueError(f"{name} of shape {tuple(bias.shape)} must broadcast to {shapes[name]}") from None
-    return cfg
+    return cfg, agents
 
 
 def _kernels(q, k, agents, cfg, aggregate_bias, broadcast_bias, dropout_p):
@@ -48,12 +56,11 @@ def _kernels(q, k, agents, cfg, aggregate_bias, broadcast_bias, dropout_p):
     logits = (agents.reshape(B, Hkv, -1, D) @ k.transpose(-1, -2)).view(B, H, cfg.m, Nk) * cfg.scale
     if aggregate_bias is not None:
         logits = logits + aggregate_bias
-    aggregate = softmax_allowed(logits, key_mask_of(cfg, k)[:, None, None, :].expand(B, H, cfg.m, Nk))
+    aggregate = softmax_allowed(logits, real_keys(cfg))
     logits = cfg.scale * q @ agents.transpose(-1, -2)
     if broadcast_bias is not None:
         logits = logits + broadcast_bias
-    acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    broadcast = torch.softmax(logits, dim=-1, dtype=acc).to(q.dtype)
+    broadcast = softmax_allowed(logits, None)
     if dropout_p > 0:
         aggregate, broadcast = F.dropout(aggregate, dropout_p), F.dropout(broadcast, dropout_p)
     return aggregate, broadcast
@@ -75,12 +82,10 @@ def agent_attention_reference(
     broadcast_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Agent attention as one (Nq, Nk) attention matrix: broadcast kernel times aggregation kernel."""
-    cfg = _check(
+    cfg, agents = _prepare(
         q, k, v, num_agents, grid, num_prefix_tokens, key_padding_mask, dropout_p, scale, agents,
-        (aggregate_bias, broadcast_bias),
+        (aggregate_bias, broadcast_bias), pool_landmarks_reference,
     )  # fmt: skip
-    if agents is None:
-        agents = pool_landmarks_reference(q, cfg)
     aggregate, broadcast = _kernels(q, k, agents, cfg, aggregate_bias, broadcast_bias, dropout_p)
     attn = broadcast @ aggregate  # (B, H, Nq, Nk), rows sum to 1
     return zero_padded(attn @ v.repeat_interleave(q.shape[1] // v.shape[1], dim=1), cfg)
@@ -114,12 +119,10 @@ def agent_attention(
         aggregate_bias: added to the agent-to-key logits, broadcastable to (B, H, n, Nk).
         broadcast_bias: added to the query-to-agent logits, broadcastable to (B, H, Nq, n).
     """
-    cfg = _check(
+    cfg, agents = _prepare(
         q, k, v, num_agents, grid, num_prefix_tokens, key_padding_mask, dropout_p, scale, agents,
-        (aggregate_bias, broadcast_bias),
+        (aggregate_bias, broadcast_bias), pool_landmarks,
     )  # fmt: skip
-    if agents is None:
-        agents = pool_landmarks(q, cfg)
     aggregate, broadcast = _kernels(q, k, agents, cfg, aggregate_bias, broadcast_bias, dropout_p)
     B, H, _, D = q.shape
     agent_values = (aggregate.reshape(B, k.shape[1], -1, k.shape[2]) @ v).view(B, H, cfg.m, D)

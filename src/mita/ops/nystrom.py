@@ -17,7 +17,7 @@ import torch
 from ..attention import Method, Taxonomy, register
 from .mita.grouped import pool_landmarks
 from .mita.naive import pool_landmarks_reference
-from .topk import check_inputs, key_mask_of, softmax_allowed, zero_padded
+from .topk import check_inputs, real_keys, softmax_allowed, zero_padded
 
 
 def iterative_pinv(a: torch.Tensor, iterations: int | None = 6) -> torch.Tensor:
@@ -69,12 +69,11 @@ def nystrom_attention_reference(
     cfg = _check(q, k, v, num_landmarks, key_padding_mask, dropout_p, scale, pinv_iterations)
     G = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-    real = key_mask_of(cfg, k)[:, None, None, :]
     q_land = pool_landmarks_reference(q, cfg)  # segment means of the real queries
     k_land = pool_landmarks_reference(k, dataclasses.replace(cfg, query_mask=cfg.key_mask))
-    kernel_f = torch.softmax(cfg.scale * q @ k_land.transpose(-1, -2), dim=-1)
-    kernel_a = torch.softmax(cfg.scale * q_land @ k_land.transpose(-1, -2), dim=-1)
-    kernel_b = softmax_allowed(cfg.scale * q_land @ k.transpose(-1, -2), real.expand(*q_land.shape[:3], -1))
+    kernel_f = softmax_allowed(cfg.scale * q @ k_land.transpose(-1, -2), None)
+    kernel_a = softmax_allowed(cfg.scale * q_land @ k_land.transpose(-1, -2), None)
+    kernel_b = softmax_allowed(cfg.scale * q_land @ k.transpose(-1, -2), real_keys(cfg))
     attn = kernel_f @ iterative_pinv(kernel_a, pinv_iterations) @ kernel_b
     return zero_padded(attn @ v, cfg)
 
@@ -105,10 +104,10 @@ def nystrom_attention(
     G, m = H // Hkv, cfg.m
     q_land = pool_landmarks(q, cfg)  # (B, H, m, D)
     k_land = pool_landmarks(k, dataclasses.replace(cfg, query_mask=cfg.key_mask)).repeat_interleave(G, dim=1)
-    kernel_f = torch.softmax(cfg.scale * q @ k_land.transpose(-1, -2), dim=-1)  # (B, H, Nq, m)
-    kernel_a = torch.softmax(cfg.scale * q_land @ k_land.transpose(-1, -2), dim=-1)  # (B, H, m, m)
+    kernel_f = softmax_allowed(cfg.scale * q @ k_land.transpose(-1, -2), None)  # (B, H, Nq, m)
+    kernel_a = softmax_allowed(cfg.scale * q_land @ k_land.transpose(-1, -2), None)  # (B, H, m, m)
     logits_b = (q_land.reshape(B, Hkv, G * m, D) @ k.transpose(-1, -2)).view(B, H, m, Nk)
-    kernel_b = softmax_allowed(cfg.scale * logits_b, key_mask_of(cfg, k)[:, None, None, :].expand(B, H, m, Nk))
+    kernel_b = softmax_allowed(cfg.scale * logits_b, real_keys(cfg))
     bv = (kernel_b.view(B, Hkv, G * m, Nk) @ v).view(B, H, m, D)  # the landmarks' values
     return zero_padded(kernel_f @ (iterative_pinv(kernel_a, pinv_iterations) @ bv), cfg)
 

@@ -72,15 +72,23 @@ def zero_padded(out: torch.Tensor, cfg: MiTAConfig) -> torch.Tensor:
     return out if cfg.query_mask is None else out.masked_fill(~cfg.query_mask[:, None, :, None], 0)
 
 
-def softmax_allowed(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Softmax over the allowed entries of the last dim.
+def softmax_allowed(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the allowed entries of the last dim (all of them for None); ``allowed`` broadcasts.
 
     A row with nothing allowed (only padded queries have one) is left unmasked instead of
     becoming NaN, so gradients stay finite; its output row is zeroed by the caller.
+    Half-precision logits are normalised in float32.
     """
-    allowed = allowed | ~allowed.any(-1, keepdim=True)
+    if allowed is not None:
+        allowed = allowed | ~allowed.any(-1, keepdim=True)
+        logits = logits.masked_fill(~allowed, float("-inf"))
     acc = torch.float32 if logits.dtype in (torch.float16, torch.bfloat16) else logits.dtype
-    return torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1, dtype=acc).to(logits.dtype)
+    return torch.softmax(logits, dim=-1, dtype=acc).to(logits.dtype)
+
+
+def real_keys(cfg: MiTAConfig) -> torch.Tensor | None:
+    """The key padding mask as (B, 1, 1, Nk) for :func:`softmax_allowed`, None without one."""
+    return None if cfg.key_mask is None else cfg.key_mask[:, None, None, :]
 
 
 def key_mask_of(cfg: MiTAConfig, k: torch.Tensor) -> torch.Tensor:
@@ -110,7 +118,7 @@ def masked_attention(
     """
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    p = softmax_allowed(scale * q @ k.transpose(-1, -2), allowed.expand(*q.shape[:3], k.shape[2]))
+    p = softmax_allowed(scale * q @ k.transpose(-1, -2), allowed)
     return F.dropout(p, dropout_p) @ v if dropout_p > 0 else p @ v
 
 
@@ -180,10 +188,11 @@ def topk_attention(
         C = rows.numel()
         qc = q[:, :, start : start + C].reshape(B, Hkv, G * C, D)
         logits = (qc @ k.transpose(-1, -2)).view(B, H, C, Nk)
-        if cfg.key_mask is not None or causal:
+        masked = cfg.key_mask is not None or causal
+        if masked:
             logits = logits.masked_fill(~_allowed_keys(cfg, k, rows, causal), float("-inf"))
         top, idx = logits.topk(kk, dim=-1)
-        p = softmax_allowed(cfg.scale * top, top > float("-inf"))
+        p = softmax_allowed(cfg.scale * top, top > float("-inf") if masked else None)
         if dropout_p > 0:
             p = F.dropout(p, dropout_p)
         vals = gather_rows(v, idx.reshape(B, Hkv, G * C * kk)).view(B, H, C, kk, D)
