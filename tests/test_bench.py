@@ -92,6 +92,8 @@ def test_resume_keeps_measured_points(tmp_path: Path) -> None:
     out = tmp_path / "run"
     assert main([*TINY, "--lengths", "32", "--out", str(out)]) == 0
     first = rows_of(out)
+    with (out / "results.csv").open("a") as f:
+        f.write("20261130T000000Z-abcdef,cpu,flo")  # a line cut short by a killed run
     assert main([*TINY, "--lengths", "32", "64", "--out", str(out), "--resume"]) == 0
     rows = rows_of(out)
     assert [r["n"] for r in rows] == ["32", "64"]
@@ -286,6 +288,8 @@ def test_bad_mode_and_columns_and_foreign_csv(tmp_path: Path) -> None:
     (tmp_path / "results.csv").write_text("a,b\n1,2\n")
     with pytest.raises(ValueError, match="not a results file"):
         report.read_rows(tmp_path / "results.csv")
+    (tmp_path / "results.csv").write_text(",".join(report.FIELDS) + "\n" + "x," * (len(report.FIELDS) - 1) + "x\nx,x\n")
+    assert len(report.read_rows(tmp_path / "results.csv")) == 1  # the line cut short is dropped
 
 
 def test_demo_checks_agreement_and_prints_the_table(capsys) -> None:

@@ -369,6 +369,7 @@ def run(args: argparse.Namespace) -> int:
         session = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
         record_machine(out_dir / "machine.json", args.device, session, _command(args), resume=args.resume)
         rows = {_key(r): r for r in read_rows(out_dir / "results.csv")} if args.resume else {}
+        write_rows(out_dir / "results.csv", rows.values())  # a new file, or the resumed one rid of a cut line
         failures = _measure_all(plan, args.dtype, args.device, session, rows, out_dir / "results.csv")
     finally:
         torch.set_num_threads(threads)
@@ -392,7 +393,7 @@ def _measure_all(
     from tqdm import tqdm
 
     failures = 0
-    log = CsvLog(csv_path, append=bool(rows))
+    log = CsvLog(csv_path)
     tasks = [(n, mode, s) for n in plan.lengths for mode in plan.modes for s in plan.series]
     try:
         bar = tqdm(tasks, desc="mita bench", unit="point", dynamic_ncols=True)

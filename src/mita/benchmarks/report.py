@@ -45,11 +45,12 @@ def ratios(median_s: float, baseline_s: float | None, flops: float | None, basel
 
 
 def read_rows(path: Path) -> list[Row]:
+    """The rows of a results file; a line cut short by an interrupted run is dropped (it is measured again)."""
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
         if tuple(reader.fieldnames or ()) != FIELDS:
             raise ValueError(f"{path} is not a results file of this version of mita bench (columns differ)")
-        return list(reader)
+        return [r for r in reader if None not in r and None not in r.values()]
 
 
 def write_rows(path: Path, rows: Iterable[Row]) -> None:
@@ -63,14 +64,12 @@ def write_rows(path: Path, rows: Iterable[Row]) -> None:
 
 
 class CsvLog:
-    """Appends rows to the CSV file one at a time, flushed, so an interrupted run can resume."""
+    """Appends rows to a CSV file made by :func:`write_rows`, one at a time and flushed, so an
+    interrupted run can resume."""
 
-    def __init__(self, path: Path, *, append: bool) -> None:
-        new = not (append and path.exists())
-        self._file = path.open("w" if new else "a", newline="")
+    def __init__(self, path: Path) -> None:
+        self._file = path.open("a", newline="")
         self._writer = csv.DictWriter(self._file, fieldnames=FIELDS)
-        if new:
-            self._writer.writeheader()
 
     def write(self, row: Row) -> None:
         self._writer.writerow(row)

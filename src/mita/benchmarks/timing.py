@@ -142,6 +142,15 @@ def time_call(
     return statistics.median(times), len(times)
 
 
+def _profiler(*, cuda: bool, profile_memory: bool = False) -> torch.profiler.profile:
+    """``torch.profiler.profile`` of CPU (and CUDA) activity, without kineto's log lines on every start."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # read when the profiler starts
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    return profile(activities=activities, profile_memory=profile_memory)
+
+
 def peak_memory(fn: Callable[[], object], *, device: str | torch.device = "cpu") -> int:
     """Peak bytes allocated by ``fn`` above what was allocated when it started (see the module doc)."""
     dev = torch.device(device)
@@ -155,10 +164,7 @@ def peak_memory(fn: Callable[[], object], *, device: str | torch.device = "cpu")
         return max(0, torch.cuda.max_memory_allocated(dev) - start)
     if dev.type != "cpu":
         raise ValueError(f"peak memory is measured on 'cpu' or 'cuda' devices, got {str(device)!r}")
-    from torch.profiler import ProfilerActivity, profile
-
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # read when the profiler starts: no log lines per call
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _profiler(cuda=False, profile_memory=True) as prof:
         fn()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     running = peak = 0
@@ -170,15 +176,13 @@ def peak_memory(fn: Callable[[], object], *, device: str | torch.device = "cpu")
 
 def op_profile(op: Callable[..., torch.Tensor], case: Case, mode: str, *, seed: int = 0, row_limit: int = 30) -> str:
     """The profiler's table of the ops of one call (after a warm-up call), by self time: where the time goes."""
-    from torch.profiler import ProfilerActivity, profile
-
     step = attention_step(op, case.inputs(mode, seed))
     step()
     cuda = torch.device(case.device).type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+    with _profiler(cuda=cuda) as prof:
         step()
         synchronize(case.device)
-    sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=sort_by, row_limit=row_limit)
 
 
