@@ -156,3 +156,14 @@ def test_forward_errors():
         mita_attention_forward(module, q, q, q, None, output_attentions=True)
     out, weights = mita_attention_forward(module, q, q, q, None)
     assert out.shape == (1, 4, 2, 8) and weights is None
+
+
+def test_options_survive_save_and_load(tmp_path):
+    model = AutoModel.from_config(bert_config(mita_num_landmarks=4, mita_topk=6), attn_implementation="mita")
+    model.save_pretrained(tmp_path)
+    loaded = AutoModel.from_pretrained(tmp_path, attn_implementation="mita").eval()
+    assert loaded.config._attn_implementation == "mita"
+    assert mita_options(loaded.config, 20)["num_landmarks"] == 4 and mita_options(loaded.config, 20)["topk"] == 6
+    ids = torch.randint(0, 50, (1, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).last_hidden_state, model.eval()(ids).last_hidden_state)

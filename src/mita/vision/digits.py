@@ -76,12 +76,6 @@ def make_vit(setup: DigitsSetup) -> nn.Module:
     return convert(model, setup.attention) if setup.attention != "sdpa" else model
 
 
-def _shift(x: torch.Tensor, generator: torch.Generator, max_shift: int = 2) -> torch.Tensor:
-    """Random cyclic shift by up to ``max_shift`` pixels (the digits' borders are blank), one per batch."""
-    dy, dx = (int(v) for v in torch.randint(-max_shift, max_shift + 1, (2,), generator=generator))
-    return torch.roll(x, shifts=(dy, dx), dims=(-2, -1))
-
-
 @torch.no_grad()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256) -> float:
     """Top-1 accuracy in [0, 1]."""
@@ -136,8 +130,6 @@ def train(
     generator = torch.Generator().manual_seed(setup.seed)
     for _ in range(start):  # replay the RNG so a resumed run sees the same batches
         torch.randperm(len(y_train), generator=generator)
-        for _ in range(steps_per_epoch):
-            torch.randint(-2, 3, (2,), generator=generator)
     for epoch in range(start, setup.epochs):
         t0 = time.perf_counter()
         model.train()
@@ -145,7 +137,7 @@ def train(
         total = 0.0
         for i in range(0, len(order), setup.batch_size):
             batch = order[i : i + setup.batch_size]
-            loss = F.cross_entropy(model(_shift(x_train[batch], generator)), y_train[batch])
+            loss = F.cross_entropy(model(x_train[batch]), y_train[batch])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
