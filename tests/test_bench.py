@@ -283,6 +283,8 @@ def test_a_call_slower_than_the_budget_is_timed_once() -> None:
 def test_bad_mode_and_columns_and_foreign_csv(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="mode must be one of"):
         timing.Case(1, 1, 8, 4).inputs("bwd")
+    with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
+        timing.peak_memory(lambda: None, device="meta")
     with pytest.raises(ValueError, match="unknown table columns"):
         report.markdown_table([], ["speed"])
     (tmp_path / "results.csv").write_text("a,b\n1,2\n")
@@ -296,3 +298,8 @@ def test_demo_checks_agreement_and_prints_the_table(capsys) -> None:
     assert main(["demo", "--lengths", "256", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "max abs error" in out and "| 256 | mita |" in out and "| 256 | sdpa |" in out
+
+
+def test_demo_rejects_bad_lengths(capsys) -> None:
+    assert main(["demo", "--lengths", "0"]) == 2
+    assert "--lengths" in capsys.readouterr().err
