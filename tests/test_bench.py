@@ -88,6 +88,14 @@ def test_refuses_to_overwrite_a_non_empty_folder(tmp_path: Path, capsys) -> None
     assert len(rows_of(tmp_path)) == 1
 
 
+def test_default_output_is_a_new_dated_folder(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main([*TINY, "--lengths", "32"]) == 0
+    assert main([*TINY, "--lengths", "32"]) == 0
+    runs = sorted((tmp_path / "bench-results").iterdir())
+    assert len(runs) == 2 and all((run / "results.csv").is_file() for run in runs)
+
+
 def test_resume_keeps_measured_points(tmp_path: Path) -> None:
     out = tmp_path / "run"
     assert main([*TINY, "--lengths", "32", "--out", str(out)]) == 0
