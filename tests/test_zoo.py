@@ -218,6 +218,14 @@ def test_float32_matches_float64(name):
 
 
 @pytest.mark.parametrize("name", IMPLEMENTED)
+def test_bfloat16_runs_and_keeps_the_dtype(name):
+    op = registry.build_op({"name": name, **_small(name)})
+    q, k, v = (t.bfloat16() for t in qkv(Nq=21, Nk=21))
+    out = op(q, k, v, key_padding_mask=padding(2, 21, [21, 17]))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("name", IMPLEMENTED)
 def test_dropout(name):
     op = registry.build_op({"name": name, **_small(name)})
     q, k, v = qkv(Nq=16, Nk=16)

@@ -25,8 +25,11 @@ def iterative_pinv(a: torch.Tensor, iterations: int | None = 6) -> torch.Tensor:
 
     The Nyströmformer iteration: Z0 = A^T / (||A||_1 ||A||_inf),
     Z <- Z (13 I - A Z (15 I - A Z (7 I - A Z))) / 4. ``iterations=None``: exact
-    ``torch.linalg.pinv`` (for tests and for checking the approximation).
+    ``torch.linalg.pinv`` (for tests and for checking the approximation). Half-precision
+    matrices are inverted in float32.
     """
+    if a.dtype in (torch.float16, torch.bfloat16):  # the iteration needs float32's precision
+        return iterative_pinv(a.float(), iterations).to(a.dtype)
     if iterations is None:
         return torch.linalg.pinv(a)
     eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
