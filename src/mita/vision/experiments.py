@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import platform
 import sys
 import time
@@ -70,8 +71,9 @@ def prepare_output(out: Path | str, force: bool) -> Path:
 
 def machine() -> str:
     """A one-line description of where a result was measured."""
+    cpu = " ".join(filter(None, (platform.machine(), platform.processor())))
     return (
-        f"{platform.machine()} {platform.processor() or ''} CPU, {torch.get_num_threads()} torch threads, "
+        f"{cpu} CPU ({os.cpu_count()} cores), {torch.get_num_threads()} torch threads, "
         f"Python {sys.version.split()[0]}, torch {torch.__version__}, {platform.system()}"
     )
 
@@ -87,8 +89,9 @@ def write_report(
         "",
         f"Machine: {machine()}",
         "",
-        "Setup: " + ", ".join(f"{k}={v}" for k, v in asdict(setup).items()),
-        "; data: scikit-learn digits upscaled to 32x32 and standardised, patch 4 (8x8 grid + CLS, N = 65), "
+        "Setup: "
+        + ", ".join(f"{k}={v}" for k, v in asdict(setup).items())
+        + "; data: scikit-learn digits upscaled to 32x32 and standardised, patch 4 (8x8 grid + CLS, N = 65), "
         f"{len(data[1])} train / {len(data[3])} test images",
         "",
     ]
