@@ -4,9 +4,11 @@ The keys are cut into fixed blocks of ``block_size`` tokens (the last one may be
 each query attends to the ``topk`` blocks whose mean key has the largest dot product
 with it. Causal: future blocks are never chosen, the query's own block always is (and
 is masked causally inside). The blocks are experts built by position (a locality prior);
-the routing is N-to-N/n. The reference builds the full (Nq, Nk) mask; the efficient path
-gathers the selected blocks for a chunk of queries at a time: O(chunk x topk x block_size)
-memory, linear in N for a fixed number of selected blocks.
+the routing is N-to-N/n. The reference builds the full (Nq, Nk) mask. The efficient path
+lays the (query, selected block) pairs out grouped by block, in tiles of T queries that
+share one block, so the scores and the weighted values are one batched matmul each over
+(tiles, T, D) x (tiles, D, block_size): memory O(N x topk x block_size), linear in N for
+a fixed number of selected blocks, and queries are taken in chunks if that is large.
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ def moba_attention(
             with every block selected this is softmax attention.
         key_padding_mask: bool (B, Nk), True = real key; block means use real keys only.
         causal / is_causal: no future blocks, own block always selected and causally masked.
-        chunk_size: queries per chunk; None picks one that bounds the gathered blocks' memory.
+        chunk_size: queries per chunk; None takes as many as keep the chunk's buffers near 2^24 elements.
     """
     cfg, causal = _check(q, k, v, block_size, topk, key_padding_mask, dropout_p, scale, causal, is_causal)
     B, H, Nq, D = q.shape
