@@ -221,6 +221,8 @@ def plot(rows: Sequence[Row], out_dir: Path, baseline: str) -> list[Path]:
             ax.set(xlabel="sequence length N", ylabel=ylabel, title=_TITLES[mode])
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7, loc="best")
+        r = rows[0]
+        fig.suptitle(f"B={r['batch']}, H={r['heads']}, D={r['head_dim']}, {r['dtype']}, {r['device']}", fontsize=10)
         fig.tight_layout()
         fig.savefig(out_dir / name, dpi=110)
         plt.close(fig)
