@@ -9,6 +9,8 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from timm.models.vision_transformer import Attention as TimmAttention
 
 from mita import attention as registry
@@ -86,6 +88,36 @@ def test_efficient_matches_reference(name, masked, causal, device):
     for got, want in zip(grads, expected_grads):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    name=st.sampled_from(["topk", "moba", "linear", "nystrom", "agent"]),
+    groups=st.sampled_from([(1, 1), (3, 1), (4, 2)]),
+    n=st.integers(1, 40),
+    option=st.integers(1, 12),
+    cut=st.integers(0, 39),
+    causal=st.booleans(),
+)
+def test_efficient_matches_reference_on_random_shapes(name, groups, n, option, cut, causal):
+    fast, ref, _ = PAIRS[name]
+    options = {
+        "topk": {"topk": option},
+        "moba": {"block_size": option, "topk": 1 + option % 3},
+        "linear": {},
+        "nystrom": {"num_landmarks": option},
+        "agent": {"num_agents": option},
+    }[name]
+    if causal and name in CAUSAL:
+        options["causal"] = True
+    q, k, v = qkv(H=groups[0], Hkv=groups[1], Nq=n, Nk=n, D=4)
+    mask = padding(2, n, [n, max(1, n - cut)])
+    torch.testing.assert_close(
+        fast(q, k, v, key_padding_mask=mask, **options),
+        ref(q, k, v, key_padding_mask=mask, **options),
+        rtol=1e-9,
+        atol=1e-11,
+    )
 
 
 @pytest.mark.parametrize("name", [n for n in PAIRS if n not in ("agent_2d",)])
