@@ -36,7 +36,7 @@ class PathfinderSpec:
     line_width: float = 1.0
     marker_radius: float = 1.6
     max_turn: float = 0.6  # radians between consecutive paddles
-    clearance: float = 0.5  # minimum distance between contours
+    clearance: float = 1.0  # minimum distance between contours
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -59,56 +59,66 @@ class PathfinderSpec:
 
 
 def _segment_distance(pixels: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Distance (P,) from each pixel centre to the nearest of the segments a[j] -> b[j]."""
-    ab = b - a  # (S, 2)
-    t = ((pixels[:, None, :] - a[None]) * ab[None]).sum(-1) / np.maximum((ab * ab).sum(-1), 1e-12)
-    closest = a[None] + np.clip(t, 0.0, 1.0)[..., None] * ab[None]
-    return np.sqrt(((pixels[:, None, :] - closest) ** 2).sum(-1)).min(axis=1)
+    """Distance (P,) from each pixel centre to the nearest of the segments a[j] -> b[j] (complex points)."""
+    ab = b - a  # (S,)
+    rel = pixels[:, None] - a[None]  # (P, S)
+    t = np.clip((rel * ab.conj()).real / np.maximum(np.abs(ab) ** 2, 1e-12), 0.0, 1.0)
+    return np.abs(rel - t * ab).min(axis=1)
 
 
 class _Canvas:
-    """One image being drawn: pixel centres, an occupancy map, and the drawn strokes."""
+    """One image being drawn: pixel centres, a free-space map, and the drawn strokes.
+
+    Points are complex numbers x + iy. The free map starts with the border band (where a
+    marker would not fit) taken, so "free" also means "inside".
+    """
 
     def __init__(self, spec: PathfinderSpec, rng: np.random.Generator) -> None:
         self.spec, self.rng, s = spec, rng, spec.size
         ys, xs = np.mgrid[0:s, 0:s]
-        self.pixels = np.stack([xs.ravel() + 0.5, ys.ravel() + 0.5], axis=1).astype(np.float64)
-        self.free = np.ones(s * s, dtype=bool)
+        self.pixels = (xs.ravel() + 0.5) + 1j * (ys.ravel() + 0.5)
+        self.margin = (spec.marker_radius + 0.5) * spec.scale
+        inside = (self.pixels.real >= self.margin) & (self.pixels.real <= s - self.margin)
+        self.free = inside & (self.pixels.imag >= self.margin) & (self.pixels.imag <= s - self.margin)
         self.image = np.zeros(s * s, dtype=np.float64)
 
     def contour(self, batch: int = 32, proposals: int = 6) -> np.ndarray | None:
-        """A smooth walk (L+1, 2) inside the image, clear of earlier contours and of itself.
+        """A smooth walk (L+1,) of complex points, clear of the border, earlier contours and itself.
 
         ``batch`` walks grow side by side; at each paddle every walk takes the first of
         ``proposals`` random turns whose next point and midpoint are free, and a walk with
         none dies. The first survivor is returned (None if all die).
         """
         sp, n, s = self.spec, self.spec.contour_length, self.spec.size
-        step, margin = sp.paddle_step * sp.scale, (sp.marker_radius + 0.5) * sp.scale
+        step, margin = sp.paddle_step * sp.scale, self.margin
         rows = np.arange(batch)
-        walk = np.empty((batch, n + 1, 2))
-        walk[:, 0] = self.rng.uniform(margin, s - margin, size=(batch, 2))
-        to_centre = np.arctan2(s / 2 - walk[:, 0, 1], s / 2 - walk[:, 0, 0])
-        angle = to_centre + self.rng.uniform(-np.pi / 2, np.pi / 2, size=batch)  # start inwards
+        turns = self.rng.uniform(-sp.max_turn, sp.max_turn, size=(n, batch, proposals))
+        walk = np.empty((batch, n + 1), dtype=np.complex128)
+        start = self.rng.uniform(margin, s - margin, size=(2, batch))
+        walk[:, 0] = start[0] + 1j * start[1]
+        heading = np.angle(s / 2 * (1 + 1j) - walk[:, 0]) + self.rng.uniform(-np.pi / 2, np.pi / 2, size=batch)
         alive = self._free_at(walk[:, 0])
+        min_gap = 1.5 * step  # keep away from the walk's own earlier paddles
         for j in range(n):
-            turn = angle[:, None] + self.rng.uniform(-sp.max_turn, sp.max_turn, size=(batch, proposals))
-            nxt = walk[:, j, None] + step * np.stack([np.cos(turn), np.sin(turn)], axis=-1)  # (C, K, 2)
-            ok = ((nxt >= margin) & (nxt <= s - margin)).all(-1) & self._free_at(nxt)
-            ok &= self._free_at((nxt + walk[:, j, None]) / 2)
-            if j:  # keep away from the walk's own earlier paddles
-                gap2 = ((nxt[:, :, None] - walk[:, None, :j]) ** 2).sum(-1).min(-1)
-                ok &= gap2 > (1.5 * step) ** 2
+            turn = heading[:, None] + turns[j]
+            here = walk[:, j, None]
+            nxt = here + step * np.exp(1j * turn)  # (C, K)
+            ok = self._free_at(nxt) & self._free_at((nxt + here) / 2)
+            if j:
+                ok &= np.abs(nxt[:, :, None] - walk[:, None, :j]).min(-1) > min_gap
             pick = ok.argmax(axis=1)
             alive &= ok[rows, pick]
             if not alive.any():
                 return None
-            walk[:, j + 1], angle = nxt[rows, pick], turn[rows, pick]
+            walk[:, j + 1], heading = nxt[rows, pick], turn[rows, pick]
         return walk[np.flatnonzero(alive)[0]]
 
     def _free_at(self, points: np.ndarray) -> np.ndarray:
-        cells = np.clip(points.astype(int), 0, self.spec.size - 1)
-        return self.free[cells[..., 1] * self.spec.size + cells[..., 0]]
+        """Whether each point's pixel is free; points off the image count as taken."""
+        s = self.spec.size
+        x, y = np.floor(points.real).astype(np.intp), np.floor(points.imag).astype(np.intp)
+        on = (x >= 0) & (x < s) & (y >= 0) & (y < s)
+        return on & self.free[np.where(on, y * s + x, 0)]
 
     def draw(self, walk: np.ndarray) -> None:
         """Draw the walk's paddles (anti-aliased) and reserve the space around it."""
@@ -116,17 +126,17 @@ class _Canvas:
         a, b = walk[:-1], walk[:-1] + sp.paddle_fraction * (walk[1:] - walk[:-1])
         half = sp.line_width * sp.scale / 2
         reach = (sp.clearance + half) * sp.scale
-        near = np.flatnonzero(  # only pixels in the walk's bounding box (plus the reach) can change
-            ((self.pixels >= walk.min(0) - reach - 1) & (self.pixels <= walk.max(0) + reach + 1)).all(-1)
-        )
-        dist = _segment_distance(self.pixels[near], a, b)
+        lo, hi = walk.real.min() - reach - 1, walk.real.max() + reach + 1
+        lo_y, hi_y = walk.imag.min() - reach - 1, walk.imag.max() + reach + 1
+        px = self.pixels
+        near = np.flatnonzero((px.real >= lo) & (px.real <= hi) & (px.imag >= lo_y) & (px.imag <= hi_y))
+        dist = _segment_distance(px[near], a, b)
         self.image[near] = np.maximum(self.image[near], np.clip(half + 0.5 - dist, 0.0, 1.0))
-        self.free[near] &= _segment_distance(self.pixels[near], walk[:-1], walk[1:]) > reach
+        self.free[near] &= _segment_distance(px[near], walk[:-1], walk[1:]) > reach
 
-    def marker(self, centre: np.ndarray) -> None:
+    def marker(self, centre: complex) -> None:
         r = self.spec.marker_radius * self.spec.scale
-        dist = np.sqrt(((self.pixels - centre) ** 2).sum(-1))
-        self.image = np.maximum(self.image, np.clip(r + 0.5 - dist, 0.0, 1.0))
+        self.image = np.maximum(self.image, np.clip(r + 0.5 - np.abs(self.pixels - centre), 0.0, 1.0))
 
 
 def render(spec: PathfinderSpec, index: int, label: int, max_restarts: int = 50) -> np.ndarray:
