@@ -440,11 +440,19 @@ def test_agent_bias_rejects_another_length():
         layer(torch.randn(1, 12, 32))
 
 
-def test_non_causal_layer_refuses_is_causal():
-    with pytest.raises(NotImplementedError, match="causal"):
-        registry.build_layer("agent", 32, 4)(torch.randn(1, 8, 32), is_causal=True)
-    layer = registry.build_layer("moba:block_size=4,topk=1,causal=True", 32, 4)
-    assert layer(torch.randn(1, 8, 32), is_causal=True).shape == (1, 8, 32)
+@pytest.mark.parametrize("name", IMPLEMENTED)
+def test_layers_run_causally_when_their_op_can(name):
+    layer = registry.build_layer({"name": name, **_small(name)}, 32, 4)
+    x = torch.randn(1, 12, 32)
+    if name not in CAUSAL:
+        with pytest.raises(NotImplementedError, match="causal"):
+            layer(x, is_causal=True)
+        return
+    out = layer(x, is_causal=True)
+    x2 = x.clone()
+    x2[:, 8:] = torch.randn(1, 4, 32)
+    torch.testing.assert_close(layer(x2, is_causal=True)[:, :8], out[:, :8])
+    assert not torch.allclose(layer(x), out)
 
 
 def test_config_strings_take_tuples():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
+import inspect
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -169,7 +170,8 @@ class OpAttention(AttentionLayer):
 
     @property
     def supports_causal(self) -> bool:  # type: ignore[override]
-        return self.attention == "sdpa" or self.options.get("causal", False)
+        """Whether the op takes ``is_causal`` (SDPA, top-k, MoBA, linear attention)."""
+        return "is_causal" in inspect.signature(self.op).parameters
 
 
 _LAYER_ARGS = set(AttentionLayer.__init__.__code__.co_varnames[3 : AttentionLayer.__init__.__code__.co_argcount])
