@@ -117,7 +117,8 @@ def cmd_speed(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     _refuse_overwrite(out, args.overwrite)
     config = _config(args)
-    meta = {"vocab_size": len(listops.VOCAB) if args.task == "listops" else 257, "num_classes": 2,
+    classes = {"listops": 10, "image": 10}.get(args.task, 2)
+    meta = {"vocab_size": len(listops.VOCAB) if args.task == "listops" else 257, "num_classes": classes,
             "max_length": max(args.lengths), "dual": args.task == "retrieval"}  # fmt: skip
     rows = []
     for attention in args.attention:

@@ -272,6 +272,8 @@ def train(
         dist.barrier()
     state = torch.load(run_dir / CHECKPOINT, map_location="cpu", weights_only=False) if resuming else None
     if state is not None:
+        if state["meta"] != meta_of(data):
+            raise ValueError(f"--resume: the run was trained on data {state['meta']}, not {meta_of(data)}")
         config, attention = state["config"], state["attention"]
     tc = config["train"]
     gb, accum, steps = int(tc["batch_size"]), int(tc.get("accum", 1)), int(tc["steps"])
