@@ -296,7 +296,7 @@ def run_pruning(
     rows = [
         {"layer": layer, "unselected per head (%)": 100 * float(stats["unselected_head"][layer]),
          "unselected by every head (%)": 100 * float(stats["unselected_all"][layer]),
-         "random top-k would leave (%)": 100 * chance}
+         "random experts would leave per head (%)": 100 * chance}
         for layer in range(L)
     ]  # fmt: skip
     for row in rows:
