@@ -58,7 +58,7 @@ def test_markdown_table():
 
 def test_flops_command_writes_and_refuses_to_overwrite(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(flops, "TABLE_BACKBONES", [TINY, flops.Backbone("tiny512", 32, 1, 2, 128, 4, num_classes=0)])
-    monkeypatch.setattr(flops, "SWEEP_SIZES", (64, 128))
+    monkeypatch.setattr(flops, "length_sweep", lambda: [flops.backbone_row(TINY, counted=False)])
     out = tmp_path / "flops"
     assert main(["vision", "flops", "--out", str(out), "--no-counted"]) == 0
     text = (out / "report.md").read_text()
@@ -66,3 +66,9 @@ def test_flops_command_writes_and_refuses_to_overwrite(tmp_path, monkeypatch, ca
     assert (out / "flops_vs_length.png").stat().st_size > 0
     assert main(["vision", "flops", "--out", str(out)]) == 2
     assert "--force" in capsys.readouterr().err
+
+
+def test_length_sweep_grows_with_n():
+    rows = flops.length_sweep((64, 128), m=4)
+    assert [r["N"] for r in rows] == [17, 65]
+    assert rows[1]["reduction (%)"] > rows[0]["reduction (%)"]
