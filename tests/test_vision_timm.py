@@ -128,6 +128,7 @@ def test_convert_refuses_to_drop_extras():
     model = timm.create_model("mita_deit_tiny_patch16_224_dwc", depth=1)
     with pytest.raises(ValueError, match=r"drop its modules \['dwc'\]"):
         revert(model)
+    assert isinstance(model.blocks[0].attn, MiTAVisionAttention)  # nothing was swapped
     convert(model, "mita", dwc=True, topk=9)  # keeps the dwc weights
     assert model.blocks[0].attn.topk == 9
 

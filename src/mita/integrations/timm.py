@@ -162,7 +162,8 @@ def convert(model: nn.Module, attention: registry.Config = "mita", **options: An
             f"{type(model).__name__} has no timm Attention (or mita AttentionLayer) modules to convert; "
             "convert works on timm ViTs (VisionTransformer, DeiT, ...)"
         )
-    for name, old in targets:
+    swaps = []
+    for name, old in targets:  # build and check every layer before touching the model
         new = _new_layer(old, attention, dict(options), model)
         dropped = sorted(set(_extra_parameters(old)) - set(_extra_parameters(new)))
         if dropped:
@@ -170,9 +171,9 @@ def convert(model: nn.Module, attention: registry.Config = "mita", **options: An
                 f"converting {name or 'the model'} to {attention!r} would drop its modules {dropped}; "
                 "convert to a MiTA config with the same extras (dwc=True / out_gate=True)"
             )
-        for child in _SHARED_CHILDREN:
-            setattr(new, child, getattr(old, child))
-        for child in _extra_parameters(old):
+        swaps.append((name, old, new))
+    for name, old, new in swaps:
+        for child in (*_SHARED_CHILDREN, *_extra_parameters(old)):
             setattr(new, child, getattr(old, child))
         new.train(old.training)
         if not name:
