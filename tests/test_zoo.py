@@ -511,3 +511,14 @@ def test_flops_closed_forms():
     assert registry.flops("topk:topk=1024", 1024, 64) == registry.flops("sdpa", 1024, 64)
     assert registry.flops("linear", 1024, 64) == 4 * 1024 * 64 * 64 + 4 * 1024 * 64
     assert registry.flops("moba:block_size=64,topk=16", 1024, 64) == 2 * 1024 * 16 * 64 + 4 * 1024 * 1024 * 64
+
+
+def test_sdpa_causal_with_padding_mask() -> None:
+    """A padding mask and is_causal together: the real prefix attends causally, padded rows are zero."""
+    q = torch.randn(2, 2, 6, 4, dtype=torch.float64)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    out = sdpa_attention(q, q, q, key_padding_mask=mask, is_causal=True)
+    expected = F.scaled_dot_product_attention(q[1:, :, :4], q[1:, :, :4], q[1:, :, :4], is_causal=True)
+    torch.testing.assert_close(out[1:, :, :4], expected)
+    assert out[1, :, 4:].abs().max() == 0

@@ -1,6 +1,7 @@
 """Attention layers (``nn.Module``s), drop-ins for timm's ``Attention``."""
 
+from .agent import AgentAttention
 from .base import AttentionLayer
 from .mita import MiTAAttention
 
-__all__ = ["AttentionLayer", "MiTAAttention"]
+__all__ = ["AgentAttention", "AttentionLayer", "MiTAAttention"]

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 
 from ..attention import Method, Taxonomy, register
 from ..layers.agent import AgentAttention
+from .common import check_inputs, real_keys, softmax_allowed, zero_padded
 from .mita.grouped import pool_landmarks
 from .mita.naive import pool_landmarks_reference
-from .topk import check_inputs, real_keys, softmax_allowed, zero_padded
 
 
 def _prepare(q, k, v, num_agents, grid, num_prefix_tokens, key_padding_mask, dropout_p, scale, agents, biases, pool):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import Method, Taxonomy, register
-from .topk import check_causal, check_inputs, chunk_rows, zero_padded
+from .common import check_causal, check_inputs, chunk_rows, zero_padded
 
 
 def feature_map(x: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import Method, Taxonomy, register
-from .topk import (
+from .common import (
     check_causal,
     check_inputs,
     check_positive_int,
@@ -29,6 +29,7 @@ from .topk import (
     softmax_allowed,
     zero_padded,
 )
+from .tiling import tile_rows
 
 
 def _route(affinity: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor, block_size: int, causal: bool, topk: int):
@@ -152,24 +153,6 @@ def moba_attention(
         p_t = q.new_zeros(n_rows, bs).index_put((slot,), p.reshape(-1, bs)).view(-1, T, bs)
         outs.append((p_t @ vb[tile_block]).view(n_rows, D)[slot].view(B, H, C, n_sel, D).sum(3))
     return zero_padded(torch.cat(outs, dim=2), cfg)
-
-
-def tile_rows(group: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Lay rows out in tiles of T rows that each belong to one group, for one batched matmul per tile.
-
-    ``group`` (R,) holds each row's group in [0, n_groups). Returns ``slot`` (R,), the row's
-    place in a buffer of ``len(tile_group) * T`` rows; ``tile_group``, each tile's group;
-    and T, a power of two in [8, 64] near the mean group size. Padding stays under T rows a group.
-    """
-    counts = torch.bincount(group, minlength=n_groups)
-    T = int(min(64, max(8, 1 << (max(1, group.numel() // n_groups).bit_length() - 1))))
-    tiles = (counts + T - 1) // T
-    order = torch.argsort(group, stable=True)
-    sorted_group = group[order]
-    rank = torch.arange(group.numel(), device=group.device) - (counts.cumsum(0) - counts)[sorted_group]
-    slot = torch.empty_like(order).scatter_(0, order, ((tiles.cumsum(0) - tiles) * T)[sorted_group] + rank)
-    tile_group = torch.repeat_interleave(torch.arange(n_groups, device=group.device), tiles)
-    return slot, tile_group, T
 
 
 def moba_flops(n: int, d: int, block_size: int = 64, topk: int = 2, **_: object) -> float:

@@ -15,9 +15,9 @@ import dataclasses
 import torch
 
 from ..attention import Method, Taxonomy, register
+from .common import check_inputs, real_keys, softmax_allowed, zero_padded
 from .mita.grouped import pool_landmarks
 from .mita.naive import pool_landmarks_reference
-from .topk import check_inputs, real_keys, softmax_allowed, zero_padded
 
 
 def iterative_pinv(a: torch.Tensor, iterations: int | None = 6) -> torch.Tensor:

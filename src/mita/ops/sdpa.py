@@ -20,6 +20,9 @@ def sdpa_attention(
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with a bool key padding mask (B, Nk); padded query rows are zero."""
     mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
+    if mask is not None and is_causal:  # SDPA takes one or the other: combine them
+        mask = mask & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        is_causal = False
     gqa = q.shape[1] != k.shape[1]
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=gqa

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..tiling import tile_rows, zero_padded
 from .autograd import SoftmaxLSE, TileAttention
 from .config import MiTAConfig
 
@@ -56,32 +57,6 @@ def pool_landmarks(q: torch.Tensor, cfg: MiTAConfig) -> torch.Tensor:
     return (w / den)[:, None] @ x
 
 
-def _tile_size(rows: int, groups: int) -> int:
-    """Tile height: the power of two near the mean group size, in [8, 64]."""
-    mean = max(1, rows // max(groups, 1))
-    return int(min(64, max(8, 1 << (mean.bit_length() - 1))))
-
-
-def group_rows(expert_id: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Lay rows out by expert: each expert's rows contiguous, padded to a multiple of a tile.
-
-    Returns ``slot`` (row -> position in the padded buffer), ``tile_expert`` (expert of
-    each tile of T rows) and T.
-    """
-    counts = torch.bincount(expert_id, minlength=groups)
-    T = _tile_size(expert_id.numel(), groups)
-    tiles = (counts + T - 1) // T
-    order = torch.argsort(expert_id, stable=True)
-    first_row = torch.cumsum(counts, 0) - counts
-    first_slot = (torch.cumsum(tiles, 0) - tiles) * T
-    g_sorted = expert_id[order]
-    slot_sorted = first_slot[g_sorted] + torch.arange(order.numel(), device=order.device) - first_row[g_sorted]
-    slot = torch.empty_like(order).scatter_(0, order, slot_sorted)
-    n_tiles = int(tiles.sum())
-    tile_expert = torch.repeat_interleave(torch.arange(groups, device=order.device), tiles, output_size=n_tiles)
-    return slot, tile_expert, T
-
-
 def mita_attention_grouped(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -123,11 +98,11 @@ def mita_attention_grouped(
     lse_sh = lse_sh.unsqueeze(-1)  # (B, H, Nq, 1)
     out_sh = _drop(p_sh.to(q.dtype), dropout_p) @ v_shared  # (B, H, Nq, D)
     if not cfg.use_routed:  # ablation: the shared expert alone
-        return _zero_padded(out_sh, cfg), (landmarks, experts, routes)
+        return zero_padded(out_sh, cfg), (landmarks, experts, routes)
 
     # Rows of the grouped buffer: one per (query, routed expert), grouped by global expert id.
     expert_id = (routes + torch.arange(X, device=q.device).view(B, H, 1, 1) * m).reshape(-1)
-    slot, tile_expert, T = group_rows(expert_id, X * m)
+    slot, tile_expert, T = tile_rows(expert_id, X * m)
     n_tiles = tile_expert.numel()
     # The query row of every slot; padding slots repeat the first query of their own head,
     # so that nothing crosses batch elements (their outputs are never read).
@@ -157,13 +132,8 @@ def mita_attention_grouped(
     else:
         w = torch.softmax(torch.cat([lse_sh, lse_r], -1), -1).to(q.dtype)  # (B, H, Nq, 1 + s)
         out = torch.addcmul((w[..., 1:].unsqueeze(-2) @ out_r).squeeze(-2), w[..., :1], out_sh)
-    return _zero_padded(out, cfg), (landmarks, experts, routes)
+    return zero_padded(out, cfg), (landmarks, experts, routes)
 
 
 def _drop(p: torch.Tensor, dropout_p: float) -> torch.Tensor:
     return torch.nn.functional.dropout(p, dropout_p) if dropout_p > 0 else p
-
-
-def _zero_padded(out: torch.Tensor, cfg: MiTAConfig) -> torch.Tensor:
-    """Step 7: the output rows of padded queries are zero."""
-    return out if cfg.query_mask is None else out.masked_fill(~cfg.query_mask[:, None, :, None], 0)

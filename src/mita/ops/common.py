@@ -1,0 +1,115 @@
+"""Helpers the zoo's ops share: argument checks, the dense masked-softmax reference, row gathers."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .mita.config import MiTAConfig, check
+from .tiling import zero_padded
+
+__all__ = [
+    "CHUNK_ELEMENTS", "check_causal", "check_inputs", "check_positive_int", "chunk_rows", "gather_rows",
+    "key_mask_of", "masked_attention", "real_keys", "softmax_allowed", "zero_padded",
+]  # fmt: skip
+
+# Elements (of logits or gathered keys) one query chunk may hold when chunk_size is None.
+CHUNK_ELEMENTS = 1 << 24
+
+
+def check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    key_padding_mask: torch.Tensor | None,
+    dropout_p: float,
+    scale: float | None,
+    num_landmarks: int | tuple[int, int] = 1,
+    grid: tuple[int, int] | None = None,
+    num_prefix_tokens: int = 0,
+    landmarks: torch.Tensor | None = None,
+) -> MiTAConfig:
+    """Validate q, k, v (B, H, N, D), the mask, dropout and pooling arguments with MiTA's checks.
+
+    The returned config carries the resolved ``scale``, ``key_mask``, ``query_mask``
+    (self-attention only), ``m``, ``pool_shape`` and ``grid``; its top-k fields are unused.
+    """
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    return check(
+        q, k, v, num_landmarks=num_landmarks, topk=1, num_routed=1, grid=grid, num_prefix_tokens=num_prefix_tokens,
+        key_padding_mask=key_padding_mask, scale=scale, landmark_scale=None, landmarks=landmarks,
+    )  # fmt: skip
+
+
+def check_positive_int(name: str, value: object) -> int:
+    """``value`` as an int >= 1, or a ValueError naming the option."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def check_causal(causal: bool, is_causal: bool, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Merge the ``causal`` option with the layer's ``is_causal``; causal needs self-attention shapes."""
+    causal = bool(causal or is_causal)
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(f"causal attention needs Nq == Nk (self-attention), got Nq={q.shape[2]}, Nk={k.shape[2]}")
+    return causal
+
+
+def chunk_rows(n_rows: int, per_row: int, chunk_size: int | None) -> int:
+    """Query rows per chunk: ``chunk_size`` if given, else as many as fit ``CHUNK_ELEMENTS``."""
+    if chunk_size is not None:
+        return check_positive_int("chunk_size", chunk_size)
+    return max(1, min(n_rows, CHUNK_ELEMENTS // max(per_row, 1)))
+
+
+def softmax_allowed(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the allowed entries of the last dim (all of them for None); ``allowed`` broadcasts.
+
+    A row with nothing allowed (only padded queries have one) is left unmasked instead of
+    becoming NaN, so gradients stay finite; its output row is zeroed by the caller.
+    Half-precision logits are normalised in float32.
+    """
+    if allowed is not None:
+        allowed = allowed | ~allowed.any(-1, keepdim=True)
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    acc = torch.float32 if logits.dtype in (torch.float16, torch.bfloat16) else logits.dtype
+    return torch.softmax(logits, dim=-1, dtype=acc).to(logits.dtype)
+
+
+def real_keys(cfg: MiTAConfig) -> torch.Tensor | None:
+    """The key padding mask as (B, 1, 1, Nk) for :func:`softmax_allowed`, None without one."""
+    return None if cfg.key_mask is None else cfg.key_mask[:, None, None, :]
+
+
+def key_mask_of(cfg: MiTAConfig, k: torch.Tensor) -> torch.Tensor:
+    """The (B, Nk) bool mask of real keys (all True without a key padding mask)."""
+    if cfg.key_mask is not None:
+        return cfg.key_mask
+    return torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``x[b, h, index[b, h, i]]`` of x (B, Hkv, R, F) for index (B, Hkv, M): (B, Hkv, M, F).
+
+    One ``index_select`` of whole rows, which copies contiguous memory (much faster than
+    ``torch.gather`` with an index expanded over F).
+    """
+    B, Hkv, R, _ = x.shape
+    base = torch.arange(B * Hkv, device=x.device).view(B, Hkv, 1) * R
+    return x.reshape(B * Hkv * R, -1).index_select(0, (index + base).reshape(-1)).view(*index.shape, -1)
+
+
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float, dropout_p: float = 0.0
+) -> torch.Tensor:
+    """Dense softmax attention over the allowed (query, key) pairs: the reference of every sparse op.
+
+    ``allowed`` broadcasts to (B, H, Nq, Nk); k and v may have fewer (GQA) heads.
+    """
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    p = softmax_allowed(scale * q @ k.transpose(-1, -2), allowed)
+    return F.dropout(p, dropout_p) @ v if dropout_p > 0 else p @ v
