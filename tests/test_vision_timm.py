@@ -66,7 +66,7 @@ def test_pretrained_without_file_is_refused():
 def test_pretrained_from_local_file(tmp_path):
     src = timm.create_model("mita_deit_tiny_patch16_224_dwc", depth=1)
     path = tmp_path / "ckpt.pth"
-    torch.save(src.state_dict(), path)
+    torch.save({"model": src.state_dict(), "epoch": 299}, path)  # DeiT's checkpoint layout
     model = timm.create_model(
         "mita_deit_tiny_patch16_224_dwc", pretrained=True, depth=1, pretrained_cfg_overlay={"file": str(path)}
     )
