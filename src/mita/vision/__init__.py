@@ -1,1 +1,7 @@
-"""Vision transformers with MiTA: FLOP tables and the paper's vision experiments."""
+"""Vision transformers with MiTA: FLOP tables and the paper's vision experiments.
+
+``flops`` (FLOP and parameter tables), ``digits`` (the offline testbed: a small ViT on
+scikit-learn's digits), ``experiments`` (attention swap, robustness over m and k, token
+pruning), ``train`` (the ImageNet recipe), ``cli`` (``mita vision ...``) and ``timm_hook``
+(registers the MiTA-DeiT names with timm once timm is imported).
+"""

@@ -56,12 +56,12 @@ def _flops(args: argparse.Namespace) -> int:
     ])  # fmt: skip
     print(text)
     if args.out:
-        from .experiments import _plt, prepare_output
+        from .experiments import prepare_output, pyplot
 
         out = prepare_output(args.out, args.force)
         lengths = [2**p for p in range(7, 17)]
         per_head = flops.method_flops_per_head(lengths)
-        plt = _plt()
+        plt = pyplot()
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
         for name, values in per_head.items():
             ax1.loglog(lengths, values, marker=".", label=name)

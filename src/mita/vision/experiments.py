@@ -100,7 +100,8 @@ def write_report(
     return path
 
 
-def _plt():
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (imported late: it is slow and optional)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -110,6 +111,7 @@ def _plt():
 
 
 def mita_layers(model: torch.nn.Module) -> list[MiTAAttention]:
+    """The model's MiTA layers, in order (their m, k can be changed in place)."""
     return [m for m in model.modules() if isinstance(m, MiTAAttention)]
 
 
@@ -135,7 +137,7 @@ def run_swap(
         rows.append({"attention at test time": config, "test accuracy (%)": 100 * accuracy, "retained (%)": retained,
                      "eval s": time.perf_counter() - t0})  # fmt: skip
         log(f"swap {config}: {100 * accuracy:.2f}%")
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 0.4 * len(rows) + 1.2))
     ax.barh([r["attention at test time"] for r in rows], [r["retained (%)"] for r in rows], color="tab:blue")
     ax.axvline(95, color="tab:red", linestyle="--", label="95% (the paper's MiTA claim)")
@@ -179,7 +181,7 @@ def run_robustness(
                 layer.num_landmarks, layer.topk = m, k
             grid[i, j] = 100 * evaluate(model, data[2], data[3])
         log(f"robustness m={m}: " + ", ".join(f"k={k} {a:.1f}%" for k, a in zip(ks, grid[i].tolist())))
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(1 + 0.8 * len(ks), 1 + 0.6 * len(ms)))
     im = ax.imshow(grid.numpy(), cmap="viridis", origin="lower")
     ax.set_xticks(range(len(ks)), [str(k) for k in ks])
@@ -269,7 +271,7 @@ def run_pruning(
     m, k = options.get("num_landmarks", 64), options.get("topk", 64)
     m = m if isinstance(m, int) else math.prod(m)
     chance = chance_unselected(n, m, k)
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, L, figsize=(2.6 * L, 2.8), squeeze=False)
     for layer, ax in enumerate(axes[0]):
         im = ax.imshow(stats["frequency"][layer, 1:].reshape(GRID, GRID).numpy(), cmap="magma", vmin=0, vmax=1)
