@@ -4,19 +4,16 @@
 (the attention itself) and ``AttentionMaskInterface`` (so the model hands over its padding
 mask as a (B, N) bool mask instead of an N x N one). Then::
 
-    model = ViTModel(ViTConfig(mita_num_landmarks=25, mita_topk=25), attn_implementation="mita")
+    model = AutoModel.from_config(ViTConfig(mita_num_landmarks=25, mita_topk=25), attn_implementation="mita")
 
-MiTA options are read from the model config, with these defaults:
+MiTA options are read from the model config; defaults for vision configs (those with
+``image_size`` and ``patch_size``) / for the others (BERT, ...):
 
-========================  =========================================  ==========================
-config attribute          vision configs (``image_size``, ``patch``)  other configs (BERT, ...)
-========================  =========================================  ==========================
-``mita_num_landmarks``    25 (a 5x5 grid)                            64
-``mita_topk``             25                                         64
-``mita_num_routed``       1                                          1
-``mita_grid``             "auto" (square patch grid)                 None (1-D pooling)
-``mita_num_prefix_tokens``  1 (CLS)                                  0
-========================  =========================================  ==========================
+- ``mita_num_landmarks``: 25 (a 5x5 grid) / 64
+- ``mita_topk``: 25 / 64
+- ``mita_num_routed``: 1 / 1
+- ``mita_grid``: "auto" (the square patch grid) / None (1-D pooling); or [gh, gw]
+- ``mita_num_prefix_tokens``: 1 (CLS) / 0
 
 MiTA has no causal form yet: decoder models and causal calls raise a ``ValueError``.
 """
@@ -33,7 +30,6 @@ from transformers.masking_utils import AttentionMaskInterface, bidirectional_mas
 from ..ops.mita import mita_attention
 
 NAME = "mita"
-_NUM_ROUTED_DEFAULT = 1
 
 
 def is_vision_config(config: Any) -> bool:
@@ -48,7 +44,7 @@ def mita_options(config: Any, num_tokens: int) -> dict[str, Any]:
     options = {
         "num_landmarks": getattr(config, "mita_num_landmarks", default_m),
         "topk": getattr(config, "mita_topk", default_m),
-        "num_routed": getattr(config, "mita_num_routed", _NUM_ROUTED_DEFAULT),
+        "num_routed": getattr(config, "mita_num_routed", 1),
         "num_prefix_tokens": getattr(config, "mita_num_prefix_tokens", 1 if vision else 0),
     }
     grid = getattr(config, "mita_grid", "auto" if vision else None)
