@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -193,3 +196,22 @@ def test_convert_to_every_registered_method(name):
     with torch.no_grad():
         assert torch.isfinite(model(torch.randn(1, 3, 32, 32))).all()
     revert(model)
+
+
+def test_import_mita_registers_lazily():
+    """``import mita`` does not import timm; importing timm afterwards registers the names."""
+    script = (
+        "import sys, mita; assert 'timm' not in sys.modules; import timm; "
+        "assert timm.is_model('mita_deit_tiny_patch16_224')"
+    )
+    result = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_hook_without_timm(monkeypatch):
+    from mita.vision import timm_hook
+
+    monkeypatch.setitem(sys.modules, "timm", None)  # as if timm were not installed
+    before = list(sys.meta_path)
+    timm_hook.install()
+    assert sys.meta_path == before

@@ -45,7 +45,7 @@ class _AfterTimmImport(importlib.abc.MetaPathFinder):
 
 def install() -> None:
     """Register now if timm is loaded, else when it is first imported (nothing if it is absent)."""
-    if "timm" in sys.modules:
+    if sys.modules.get("timm") is not None:
         _register()
     elif importlib.util.find_spec("timm") is not None and not any(
         isinstance(f, _AfterTimmImport) for f in sys.meta_path
