@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 
 DIFFICULTIES = {6: "curv_baseline", 9: "curv_contour_length_9", 14: "curv_contour_length_14"}
-LEVELS = {"easy": 6, "intermediate": 9, "hard": 14}
 
 
 @dataclass(frozen=True)
