@@ -125,24 +125,27 @@ def test_missing_files_are_named(tmp_path):
 SMALL_PF = pathfinder.PathfinderSpec(num_distractors=1, contour_length=6, seed=1)
 
 
-def test_pathfinder_render_is_seeded_antialiased_and_marked():
-    a = pathfinder.render(SMALL_PF, 7, 1)
-    assert a.shape == (32, 32) and a.dtype == np.uint8
-    assert np.array_equal(a, pathfinder.render(SMALL_PF, 7, 1))
-    assert not np.array_equal(a, pathfinder.render(SMALL_PF, 8, 1))
-    values = np.unique(a)
+def test_pathfinder_render_is_seeded_and_antialiased():
+    images = pathfinder.render(SMALL_PF, 7, [1, 0, 1])
+    assert images.shape == (3, 32, 32) and images.dtype == np.uint8
+    assert np.array_equal(images, pathfinder.render(SMALL_PF, 7, [1, 0, 1]))
+    assert not np.array_equal(images, pathfinder.render(SMALL_PF, 8, [1, 0, 1]))
+    values = np.unique(images[0])
     assert values[0] == 0 and values[-1] == 255 and ((values > 0) & (values < 255)).any()  # anti-aliased edges
-    with pytest.raises(ValueError, match="label"):
-        pathfinder.render(SMALL_PF, 0, 2)
+    with pytest.raises(ValueError, match="labels"):
+        pathfinder.render(SMALL_PF, 0, [2])
 
 
-def test_pathfinder_contours_are_walks_of_equal_paddle_steps():
-    rng = np.random.default_rng([SMALL_PF.seed, 5])
-    canvas = pathfinder._Canvas(SMALL_PF, rng)
-    walk = canvas.contour()
-    assert walk is not None and walk.shape == (SMALL_PF.contour_length + 1,)
-    steps = np.abs(np.diff(walk))
-    assert np.allclose(steps, SMALL_PF.paddle_step)
+def test_pathfinder_contours_are_separate_walks_of_equal_steps():
+    canvases = pathfinder._Canvases(SMALL_PF, np.random.default_rng(0), 4)
+    rows = np.arange(4)
+    first, found = canvases.contours(rows)
+    assert found.all() and first.shape == (4, SMALL_PF.contour_length + 1)
+    assert np.allclose(np.abs(np.diff(first, axis=1)), SMALL_PF.paddle_step)
+    canvases.draw(rows, first)
+    second, found = canvases.contours(rows)
+    for a, b in zip(first[found], second[found]):  # vertices of two contours keep the clearance apart
+        assert np.abs(a[:, None] - b[None, :]).min() > SMALL_PF.clearance
 
 
 def test_pathfinder_labels_are_balanced_and_seeded():
@@ -175,7 +178,8 @@ def test_pathfinder_layout_and_loader(pathfinder_dir, tmp_path):
     line = (root / "metadata" / "1.npy").read_text().splitlines()[0].split()
     assert line[:3] == ["imgs/1", "sample_12.png", "12"]
     img = np.asarray(Image.open(root / line[0] / line[1]))
-    assert np.array_equal(img, pathfinder.render(SMALL_PF, 12, int(line[3])))
+    chunk = pathfinder.render(SMALL_PF, 12, pathfinder.labels_for_range(SMALL_PF.seed, 12, 24))
+    assert np.array_equal(img, chunk[0]) and line[3] == str(pathfinder.labels_for_range(SMALL_PF.seed, 12, 13)[0])
     data = loaders.load("pathfinder", pathfinder_dir, difficulty="curv_baseline")
     sizes = [len(data.splits[s]) for s in loaders.SPLITS]
     assert sizes == [24, 3, 3] and data.splits["train"].tokens.shape == (24, 1024)

@@ -4,9 +4,9 @@ An image shows two circular markers and several dashed contours; the label says 
 one contour joins the two markers. Contours are smooth random walks of ``contour_length``
 paddles (LRA's difficulties: 6 easy, 9 intermediate, 14 hard); every image holds the same
 number of contours, so only the markers' placement tells the classes apart. Lines and
-markers are anti-aliased by their exact distance to each pixel centre. Each sample is
-drawn from its own ``numpy`` PCG64 stream seeded by ``(seed, index)``: the files are the
-same on any machine and any sample can be regenerated alone.
+markers are anti-aliased by their exact distance to each pixel centre. Images are drawn
+in chunks of at most 100 (vectorised over the chunk), each chunk from a ``numpy`` PCG64
+stream seeded by ``(seed, first index)``: the files are the same on any machine.
 
 The output follows the LRA release: ``pathfinder{size}/{difficulty}/imgs/{b}/sample_{i}.png``
 and ``metadata/{b}.npy``, a text file (despite its suffix) with one line per image:
@@ -58,110 +58,128 @@ class PathfinderSpec:
 
 
 def _segment_distance(pixels: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Distance (P,) from each pixel centre to the nearest of the segments a[j] -> b[j] (complex points)."""
-    ab = b - a  # (S,)
-    rel = pixels[:, None] - a[None]  # (P, S)
+    """Distance (B, P) from each pixel centre to the nearest segment a[i, j] -> b[i, j] of image i (complex)."""
+    ab = (b - a)[:, None, :]  # (B, 1, S)
+    rel = pixels[None, :, None] - a[:, None, :]  # (B, P, S)
     t = np.clip((rel * ab.conj()).real / np.maximum(np.abs(ab) ** 2, 1e-12), 0.0, 1.0)
-    return np.abs(rel - t * ab).min(axis=1)
+    return np.abs(rel - t * ab).min(axis=-1)
 
 
-class _Canvas:
-    """One image being drawn: pixel centres, a free-space map, and the drawn strokes.
+class _Canvases:
+    """Several images drawn side by side: per image a free-space map and the drawn strokes.
 
-    Points are complex numbers x + iy. The free map starts with the border band (where a
-    marker would not fit) taken, so "free" also means "inside".
+    Points are complex numbers x + iy. The free maps have a taken border of ``pad`` cells
+    around the image and start with the band where a marker would not fit taken, so a
+    point one step from a free point is always a valid index and "free" means "inside".
     """
 
-    def __init__(self, spec: PathfinderSpec, rng: np.random.Generator) -> None:
+    def __init__(self, spec: PathfinderSpec, rng: np.random.Generator, count: int) -> None:
         self.spec, self.rng, s = spec, rng, spec.size
         ys, xs = np.mgrid[0:s, 0:s]
         self.pixels = (xs.ravel() + 0.5) + 1j * (ys.ravel() + 0.5)
         self.margin = (spec.marker_radius + 0.5) * spec.scale
-        inside = (self.pixels.real >= self.margin) & (self.pixels.real <= s - self.margin)
-        self.free = inside & (self.pixels.imag >= self.margin) & (self.pixels.imag <= s - self.margin)
-        self.image = np.zeros(s * s, dtype=np.float64)
+        self.pad = int(np.ceil(spec.paddle_step * spec.scale)) + 1
+        self.width = s + 2 * self.pad
+        self.cell = (ys.ravel() + self.pad) * self.width + xs.ravel() + self.pad  # pixel -> free-map entry
+        real, imag = self.pixels.real, self.pixels.imag
+        inside = (real >= self.margin) & (real <= s - self.margin) & (imag >= self.margin) & (imag <= s - self.margin)
+        free = np.zeros(self.width * self.width, dtype=bool)
+        free[self.cell] = inside
+        self.free = np.tile(free, (count, 1))
+        self.image = np.zeros((count, s * s))
 
-    def contour(self, batch: int = 32, proposals: int = 6) -> np.ndarray | None:
-        """A smooth walk (L+1,) of complex points, clear of the border, earlier contours and itself.
+    def _free_at(self, rows: np.ndarray, points: np.ndarray) -> np.ndarray:
+        """Whether each point (rows.size, ...) lies on a free pixel of its image."""
+        x = (points.real + self.pad).astype(np.intp)
+        y = (points.imag + self.pad).astype(np.intp)
+        return self.free[rows.reshape(-1, *[1] * (points.ndim - 1)), y * self.width + x]
 
-        ``batch`` walks grow side by side; at each paddle every walk takes the first of
-        ``proposals`` random turns whose next point and midpoint are free, and a walk with
-        none dies. The first survivor is returned (None if all die).
+    def contours(self, rows: np.ndarray, batch: int = 32, proposals: int = 6) -> tuple[np.ndarray, np.ndarray]:
+        """One smooth walk (L+1 points) per image in ``rows``, clear of the border, earlier contours and itself.
+
+        ``batch`` walks per image grow side by side; at each paddle a walk takes the first
+        of ``proposals`` random turns whose next point and midpoint are free, and a walk
+        with none dies. Returns each image's first surviving walk and whether it has one.
         """
-        sp, n, s = self.spec, self.spec.contour_length, self.spec.size
+        sp, n, s, p = self.spec, self.spec.contour_length, self.spec.size, rows.size
         step, margin = sp.paddle_step * sp.scale, self.margin
-        rows = np.arange(batch)
-        turns = self.rng.uniform(-sp.max_turn, sp.max_turn, size=(n, batch, proposals))
-        walk = np.empty((batch, n + 1), dtype=np.complex128)
-        start = self.rng.uniform(margin, s - margin, size=(2, batch))
-        walk[:, 0] = start[0] + 1j * start[1]
-        heading = np.angle(s / 2 * (1 + 1j) - walk[:, 0]) + self.rng.uniform(-np.pi / 2, np.pi / 2, size=batch)
-        alive = self._free_at(walk[:, 0])
-        min_gap = 1.5 * step  # keep away from the walk's own earlier paddles
+        turns = self.rng.uniform(-sp.max_turn, sp.max_turn, size=(n, p, batch, proposals))
+        start = self.rng.uniform(margin, s - margin, size=(2, p, batch))
+        walk = np.empty((p, batch, n + 1), dtype=np.complex128)
+        walk[..., 0] = start[0] + 1j * start[1]
+        heading = np.angle(s / 2 * (1 + 1j) - walk[..., 0]) + self.rng.uniform(-np.pi / 2, np.pi / 2, (p, batch))
+        alive = self._free_at(rows, walk[..., 0])
         for j in range(n):
-            turn = heading[:, None] + turns[j]
-            here = walk[:, j, None]
-            nxt = here + step * np.exp(1j * turn)  # (C, K)
-            ok = self._free_at(nxt) & self._free_at((nxt + here) / 2)
-            if j:
-                ok &= np.abs(nxt[:, :, None] - walk[:, None, :j]).min(-1) > min_gap
-            pick = ok.argmax(axis=1)
-            alive &= ok[rows, pick]
-            if not alive.any():
-                return None
-            walk[:, j + 1], heading = nxt[rows, pick], turn[rows, pick]
-        return walk[np.flatnonzero(alive)[0]]
+            turn = heading[..., None] + turns[j]  # (p, C, K)
+            here = walk[..., j, None]
+            nxt = here + step * np.exp(1j * turn)
+            ok = self._free_at(rows, nxt) & self._free_at(rows, (nxt + here) / 2)
+            if j:  # keep away from the walk's own earlier paddles
+                ok &= np.abs(nxt[..., None] - walk[:, :, None, :j]).min(-1) > 1.5 * step
+            pick = ok.argmax(-1)[..., None]
+            alive &= np.take_along_axis(ok, pick, -1)[..., 0]
+            walk[..., j + 1] = np.where(alive, np.take_along_axis(nxt, pick, -1)[..., 0], walk[..., j])  # dead: stay
+            heading = np.take_along_axis(turn, pick, -1)[..., 0]
+        return walk[np.arange(p), alive.argmax(1)], alive.any(1)
 
-    def _free_at(self, points: np.ndarray) -> np.ndarray:
-        """Whether each point's pixel is free; points off the image count as taken."""
-        s = self.spec.size
-        x, y = np.floor(points.real).astype(np.intp), np.floor(points.imag).astype(np.intp)
-        on = (x >= 0) & (x < s) & (y >= 0) & (y < s)
-        return on & self.free[np.where(on, y * s + x, 0)]
-
-    def draw(self, walk: np.ndarray) -> None:
-        """Draw the walk's paddles (anti-aliased) and reserve the space around it."""
+    def draw(self, rows: np.ndarray, walks: np.ndarray) -> None:
+        """Draw each walk's paddles (anti-aliased) in its image and reserve the space around it."""
         sp = self.spec
-        a, b = walk[:-1], walk[:-1] + sp.paddle_fraction * (walk[1:] - walk[:-1])
         half = sp.line_width * sp.scale / 2
-        reach = (sp.clearance + half) * sp.scale
-        lo, hi = walk.real.min() - reach - 1, walk.real.max() + reach + 1
-        lo_y, hi_y = walk.imag.min() - reach - 1, walk.imag.max() + reach + 1
-        px = self.pixels
-        near = np.flatnonzero((px.real >= lo) & (px.real <= hi) & (px.imag >= lo_y) & (px.imag <= hi_y))
-        dist = _segment_distance(px[near], a, b)
-        self.image[near] = np.maximum(self.image[near], np.clip(half + 0.5 - dist, 0.0, 1.0))
-        self.free[near] &= _segment_distance(px[near], walk[:-1], walk[1:]) > reach
+        a = walks[:, :-1]
+        dist = _segment_distance(self.pixels, a, a + sp.paddle_fraction * (walks[:, 1:] - a))
+        self.image[rows] = np.maximum(self.image[rows], np.clip(half + 0.5 - dist, 0.0, 1.0))
+        taken = _segment_distance(self.pixels, a, walks[:, 1:]) <= (sp.clearance + half) * sp.scale
+        index = (rows[:, None], self.cell[None, :])
+        self.free[index] &= ~taken
 
-    def marker(self, centre: complex) -> None:
+    def marker(self, rows: np.ndarray, centres: np.ndarray) -> None:
         r = self.spec.marker_radius * self.spec.scale
-        self.image = np.maximum(self.image, np.clip(r + 0.5 - np.abs(self.pixels - centre), 0.0, 1.0))
+        dist = np.abs(self.pixels[None, :] - centres[:, None])
+        self.image[rows] = np.maximum(self.image[rows], np.clip(r + 0.5 - dist, 0.0, 1.0))
 
 
-def render(spec: PathfinderSpec, index: int, label: int, max_restarts: int = 50) -> np.ndarray:
-    """Sample ``index`` of ``spec`` as a (size, size) uint8 image with the given label (1 = joined)."""
-    if label not in (0, 1):
-        raise ValueError(f"label must be 0 or 1, got {label!r}")
-    rng = np.random.default_rng([spec.seed, index])
+def render(spec: PathfinderSpec, start: int, labels: list[int], max_restarts: int = 50) -> np.ndarray:
+    """Samples ``start, start + 1, ...`` with the given labels (1 = joined) as (n, size, size) uint8.
+
+    The images are drawn together from one PCG64 stream seeded by ``(spec.seed, start)``.
+    """
+    labels = np.asarray(labels)
+    if labels.ndim != 1 or not np.isin(labels, (0, 1)).all():
+        raise ValueError(f"labels must be a list of 0 and 1, got {labels.tolist()!r}")
+    rng = np.random.default_rng([spec.seed, start])
+    out = np.empty((labels.size, spec.size, spec.size), dtype=np.uint8)
+    todo = np.arange(labels.size)
     for _ in range(max_restarts):
-        canvas = _Canvas(spec, rng)
+        if not todo.size:
+            return out
+        canvases = _Canvases(spec, rng, todo.size)
+        rows = np.arange(todo.size)
+        ok = np.ones(todo.size, dtype=bool)
         walks = []
         for _ in range(spec.num_distractors + 2):
-            walk = next((w for w in (canvas.contour() for _ in range(8)) if w is not None), None)
-            if walk is None:
-                break
-            canvas.draw(walk)
+            walk = np.zeros((todo.size, spec.contour_length + 1), dtype=np.complex128)
+            need = rows[ok]
+            for _ in range(8):
+                if not need.size:
+                    break
+                got, found = canvases.contours(need)
+                walk[need[found]] = got[found]
+                need = need[~found]
+            ok[need] = False
+            canvases.draw(rows[ok], walk[ok])
             walks.append(walk)
-        if len(walks) < spec.num_distractors + 2:
-            continue
-        ends = [walks[0][0], walks[0][-1]] if label else [walks[0][0], walks[1][-1]]
-        for end in ends:
-            canvas.marker(end)
-        return np.round(canvas.image.reshape(spec.size, spec.size) * 255).astype(np.uint8)
-    raise RuntimeError(
-        f"could not place {spec.num_distractors + 2} contours of {spec.contour_length} paddles in a "
-        f"{spec.size}x{spec.size} image after {max_restarts} restarts; lower num_distractors or paddle_step"
-    )
+        other_end = np.where(labels[todo] == 1, walks[0][:, -1], walks[1][:, -1])
+        canvases.marker(rows[ok], walks[0][ok, 0])
+        canvases.marker(rows[ok], other_end[ok])
+        out[todo[ok]] = np.round(canvases.image[ok] * 255).astype(np.uint8).reshape(-1, spec.size, spec.size)
+        todo = todo[~ok]
+    if todo.size:
+        raise RuntimeError(
+            f"could not place {spec.num_distractors + 2} contours of {spec.contour_length} paddles in a "
+            f"{spec.size}x{spec.size} image after {max_restarts} restarts; lower num_distractors or paddle_step"
+        )
+    return out
 
 
 def _write(job: tuple[PathfinderSpec, Path, int, int, int]) -> list[str]:
@@ -173,8 +191,8 @@ def _write(job: tuple[PathfinderSpec, Path, int, int, int]) -> list[str]:
     img_dir = root / "imgs" / str(folder)
     img_dir.mkdir(parents=True, exist_ok=True)
     lines = []
-    for i, label in zip(range(lo, hi), labels):
-        Image.fromarray(render(spec, i, int(label)), mode="L").save(img_dir / f"sample_{i}.png")
+    for i, label, img in zip(range(lo, hi), labels, render(spec, lo, labels)):
+        Image.fromarray(img, mode="L").save(img_dir / f"sample_{i}.png")
         lines.append(f"imgs/{folder} sample_{i}.png {i} {label} {spec.contour_length} {spec.num_distractors + 2}")
     return lines
 
@@ -239,8 +257,8 @@ def example_grid(out_png: str | Path, spec: PathfinderSpec, count: int = 16, col
     s, pad = spec.size * zoom, 2
     rows = -(-count // cols)
     grid = Image.new("RGB", (cols * (s + 2 * pad), rows * (s + 2 * pad)), "white")
-    for i in range(count):
-        img = Image.fromarray(render(spec, i, int(labels[i])), mode="L").resize((s, s), Image.NEAREST)
+    for i, img in enumerate(render(spec, 0, labels)):
+        img = Image.fromarray(img, mode="L").resize((s, s), Image.NEAREST)
         frame = Image.new("RGB", (s + 2 * pad, s + 2 * pad), (0, 160, 0) if labels[i] else (200, 0, 0))
         frame.paste(img.convert("RGB"), (pad, pad))
         grid.paste(frame, ((i % cols) * (s + 2 * pad), (i // cols) * (s + 2 * pad)))
