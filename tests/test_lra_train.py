@@ -97,6 +97,7 @@ def test_stopped_and_resumed_run_is_bit_identical(tmp_path, data, attention):
     assert steps == [2, 4, 6]  # no duplicated rows after the resume
 
 
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX signals")
 def test_killed_run_resumes_exactly(tmp_path, data_dir, data):
     """A training process killed with SIGKILL resumes from its last checkpoint to the same weights."""
     config = tiny_config(steps=12, checkpoint_every=1, eval_every=100)
