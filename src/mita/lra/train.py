@@ -329,9 +329,12 @@ def train(
     window = {"loss": 0.0, "correct": 0.0, "count": 0.0, "seconds": 0.0}
     model.train()
     while step < steps:
-        if (stop_after is not None and step >= stop_after) or (
+        stop = (stop_after is not None and step >= stop_after) or (
             time_limit is not None and time.perf_counter() - started > time_limit
-        ):
+        )
+        if ctx.world > 1 and time_limit is not None:  # all ranks stop together when any one's clock runs out
+            stop = ctx.all_sum([float(stop)])[0] > 0
+        if stop:
             stopped = True
             break
         tick = time.perf_counter()
