@@ -6,7 +6,8 @@ paddles (LRA's difficulties: 6 easy, 9 intermediate, 14 hard); every image holds
 number of contours, so only the markers' placement tells the classes apart. Lines and
 markers are anti-aliased by their exact distance to each pixel centre. Images are drawn
 in chunks of at most 100 (vectorised over the chunk), each chunk from a ``numpy`` PCG64
-stream seeded by ``(seed, first index)``: the files are the same on any machine.
+stream seeded by ``(seed, first index)``: the files are the same on any machine with the
+same NumPy version (NumPy does not promise identical streams across versions).
 
 The output follows the LRA release: ``pathfinder{size}/{difficulty}/imgs/{b}/sample_{i}.png``
 and ``metadata/{b}.npy``, a text file (despite its suffix) with one line per image:
