@@ -2,10 +2,11 @@
 
 Nothing of size Nq x Nk is built. Every (query, routed expert) pair gets a row in a
 buffer where the rows of one expert are contiguous and padded to a multiple of a tile
-size T, so the routed scores and values become one batched matmul of
-(tiles, T, D) x (tiles, D, k) with no padding to the busiest expert. The joint softmax
-over the shared expert and the s routed experts is taken in the per-query layout.
-Pure PyTorch and device-agnostic; autograd gives the backward.
+size T (:func:`mita.ops.tiling.tile_rows`), so the routed scores and values are one
+batched matmul of (tiles, T, D) x (tiles, D, k), with no padding to the busiest expert.
+Step 6's joint softmax is a merge of partial softmaxes: the shared expert's and each
+routed expert's outputs, weighted by the softmax of their log-sum-exps. Pure PyTorch and
+device-agnostic; the backward of the two softmax pieces is hand-written (``autograd.py``).
 """
 
 from __future__ import annotations
