@@ -26,41 +26,22 @@ def mita_flops(
     return n * d * {"both": 8 * m + routed, "shared": 8 * m, "routed": 4 * m + routed}[branches]
 
 
-register(
-    Method(
-        name="mita",
-        taxonomy=Taxonomy("compression + routing", "m", "MLP (softmax)", LANDMARK_PROBING, "N-to-m"),
-        op=mita_attention,
-        layer=MiTAAttention,
-        defaults={"num_landmarks": 64, "topk": 64},
-        flops=mita_flops,
-        cost="N D (8m + 4sk)",
-        paper=PAPER,
+# (name, branches, scaling, expert count, topology, cost, paper note)
+_VARIANTS = [
+    ("mita", "both", "compression + routing", "m", "N-to-m", "N D (8m + 4sk)", ""),
+    ("mita_routed", "routed", "routing", "m", "N-to-m", "N D (4m + 4sk)", ", ablation: routed experts only"),
+    ("mita_shared", "shared", "compression", "1", "all-to-one", "8 N m D", ", ablation: shared expert only"),
+]
+for name, branches, scaling, count, topology, cost, note in _VARIANTS:
+    register(
+        Method(
+            name=name,
+            taxonomy=Taxonomy(scaling, count, "MLP (softmax)", LANDMARK_PROBING, topology),
+            op=mita_attention,
+            layer=MiTAAttention,
+            defaults={"num_landmarks": 64, "topk": 64, **({} if branches == "both" else {"branches": branches})},
+            flops=mita_flops,
+            cost=cost,
+            paper=PAPER + note,
+        )
     )
-)
-
-register(
-    Method(
-        name="mita_routed",
-        taxonomy=Taxonomy("routing", "m", "MLP (softmax)", LANDMARK_PROBING, "N-to-m"),
-        op=mita_attention,
-        layer=MiTAAttention,
-        defaults={"num_landmarks": 64, "topk": 64, "branches": "routed"},
-        flops=mita_flops,
-        cost="N D (4m + 4sk)",
-        paper=f"{PAPER}, ablation: routed experts only",
-    )
-)
-
-register(
-    Method(
-        name="mita_shared",
-        taxonomy=Taxonomy("compression", "1", "MLP (softmax)", LANDMARK_PROBING, "all-to-one"),
-        op=mita_attention,
-        layer=MiTAAttention,
-        defaults={"num_landmarks": 64, "topk": 64, "branches": "shared"},
-        flops=mita_flops,
-        cost="8 N m D",
-        paper=f"{PAPER}, ablation: shared expert only",
-    )
-)
