@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
+from mita.cli import main as cli_main
 from mita.lra import train as T
-from mita.lra.__main__ import main as lra_main
 from mita.lra.config import load_config
 from mita.lra.data import listops, loaders
 
@@ -203,34 +203,34 @@ def test_cli_train_eval_and_refusals(tmp_path, data_dir, capsys):
     base = ["--task", "listops", "--variant", "small", "--data", str(data_dir), "--device", "cpu"]
     sets = ["--set", "data.loader={'max_length': 40}", "--set", "train.steps=2", "--set", "train.batch_size=8",
             "--set", "model.dim=16", "--set", "model.mlp_dim=16", "--set", "model.head_dim=8"]  # fmt: skip
-    assert lra_main(["train", *base, *sets, "--run-dir", run, "--no-progress", "--attention", MITA]) == 0
+    assert cli_main(["lra", "train", *base, *sets, "--run-dir", run, "--no-progress", "--attention", MITA]) == 0
     assert (tmp_path / "cli" / "tb").is_dir() and (tmp_path / "cli" / "summary.json").exists()
-    assert lra_main(["train", *base, *sets, "--run-dir", run, "--no-progress"]) == 2
+    assert cli_main(["lra", "train", *base, *sets, "--run-dir", run, "--no-progress"]) == 2
     assert "--resume" in capsys.readouterr().err
     out = tmp_path / "eval.json"
-    assert lra_main(["eval", *base, *sets, "--checkpoint", run, "--option", "topk=8", "--out", str(out)]) == 0
+    assert cli_main(["lra", "eval", *base, *sets, "--checkpoint", run, "--option", "topk=8", "--out", str(out)]) == 0
     assert json.loads(out.read_text())["options"] == {"topk": 8}
-    assert lra_main(["eval", *base, *sets, "--checkpoint", run, "--out", str(out)]) == 2
-    assert lra_main(["train", *base, "--set", "train.nope=1", "--run-dir", str(tmp_path / "x")]) == 2
+    assert cli_main(["lra", "eval", *base, *sets, "--checkpoint", run, "--out", str(out)]) == 2
+    assert cli_main(["lra", "train", *base, "--set", "train.nope=1", "--run-dir", str(tmp_path / "x")]) == 2
     assert "unknown key 'nope'" in capsys.readouterr().err
 
 
 def test_cli_generate_and_speed(tmp_path, capsys):
     gen = "data.generate={'num_train': 6, 'num_val': 2, 'num_test': 2, 'min_length': 5, 'max_length': 20, 'seed': 1}"
-    args = ["generate", "--task", "listops", "--out", str(tmp_path / "lo"), "--set", gen]
-    assert lra_main(args) == 0
+    args = ["lra", "generate", "--task", "listops", "--out", str(tmp_path / "lo"), "--set", gen]
+    assert cli_main(args) == 0
     assert len((tmp_path / "lo" / "basic_train.tsv").read_text().splitlines()) == 7
-    assert lra_main(args) == 2 and "overwrite" in capsys.readouterr().err
+    assert cli_main(args) == 2 and "overwrite" in capsys.readouterr().err
     pf = "data.generate={'size': 32, 'contour_length': 6, 'num_distractors': 0, 'num_samples': 4, 'seed': 2}"
     grid = tmp_path / "grid.png"
-    assert lra_main(["generate", "--task", "pathfinder", "--out", str(tmp_path / "pf"), "--set", pf, "--grid",
+    assert cli_main(["lra", "generate", "--task", "pathfinder", "--out", str(tmp_path / "pf"), "--set", pf, "--grid",
                      str(grid)]) == 0  # fmt: skip
     assert grid.exists() and len(list((tmp_path / "pf").rglob("*.png"))) == 4
-    assert lra_main(["generate", "--task", "text", "--out", str(tmp_path / "t")]) == 2
+    assert cli_main(["lra", "generate", "--task", "text", "--out", str(tmp_path / "t")]) == 2
     assert "no generator" in capsys.readouterr().err
     out = tmp_path / "speed.csv"
     small = ["--set", "model.dim=16", "--set", "model.mlp_dim=16", "--set", "model.head_dim=8"]
-    assert lra_main(["speed", "--task", "listops", *small, "--attention", "sdpa", MITA, "--lengths", "16", "32",
+    assert cli_main(["lra", "speed", "--task", "listops", *small, "--attention", "sdpa", MITA, "--lengths", "16", "32",
                      "--batch-size", "2", "--steps", "1", "--mode", "eval", "--out", str(out)]) == 0  # fmt: skip
     rows = out.read_text().splitlines()
     assert rows[0].startswith("attention,length,mode") and len(rows) == 5
