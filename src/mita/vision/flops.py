@@ -10,8 +10,9 @@ How the numbers are made (all in FLOPs = 2 x multiply-accumulates, batch 1):
   plus its selection work, counted explicitly as one op per element: top-k over the m x N
   affinities (m N log2 k comparisons), routing over the N x m gate (N m comparisons per
   routed expert) and the gather of the m k selected keys and values (2 m k D copies).
-* "counted" is FlopCounterMode on this library's own MiTA implementation (``mita_attention``
-  on random tensors), plus the same selection work: what the code spends, not the ideal.
+* "counted" is FlopCounterMode on this library's own MiTA implementation (the PyTorch
+  ``impl="grouped"`` path on random tensors; the fused CPU kernel is opaque to the counter),
+  plus the same selection work: what the code spends, not the ideal.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def mita_counted_flops(n: int, d: int, heads: int, m: int, k: int) -> float:
     side = math.isqrt(n - 1)
     q, kk, v = torch.randn(3, 1, heads, n, d).unbind(0)
     with FlopCounterMode(display=False) as counter:
-        mita_attention(q, kk, v, num_landmarks=m, topk=k, grid=(side, side), num_prefix_tokens=1)
+        mita_attention(q, kk, v, num_landmarks=m, topk=k, grid=(side, side), num_prefix_tokens=1, impl="grouped")
     return counter.get_total_flops() / heads + selection_ops(n, d, m, k)
 
 

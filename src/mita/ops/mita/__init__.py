@@ -1,7 +1,8 @@
 """MiTA attention (Mixture of Top-k Activations), spec section 2.
 
-``naive.py`` is the reference that reads like the spec; ``grouped.py`` is the default
-linear-memory path. :func:`mita_attention` checks the arguments and picks one.
+``naive.py`` is the reference that reads like the spec; ``grouped.py`` is the portable
+linear-memory path (any device, autograd); ``fused.py`` runs a C++ kernel for CPU
+inference. :func:`mita_attention` checks the arguments and picks one.
 """
 
 from __future__ import annotations
@@ -12,11 +13,17 @@ from typing import Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from . import fused
 from .config import MiTAConfig, check
+from .fused import mita_attention_fused
 from .grouped import mita_attention_grouped
 from .naive import mita_attention_reference
 
-IMPLEMENTATIONS = {"reference": mita_attention_reference, "grouped": mita_attention_grouped}
+IMPLEMENTATIONS = {
+    "reference": mita_attention_reference,
+    "grouped": mita_attention_grouped,
+    "fused": mita_attention_fused,
+}
 
 
 class MiTARouting(NamedTuple):
@@ -44,7 +51,7 @@ def mita_attention(
     dropout_p: float = 0.0,
     branches: Literal["both", "shared", "routed"] = "both",
     return_routing: bool = False,
-    impl: Literal["auto", "grouped", "reference"] = "auto",
+    impl: Literal["auto", "fused", "grouped", "reference"] = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, MiTARouting]:
     """MiTA attention on (B, H, N, D) tensors, like ``F.scaled_dot_product_attention``.
 
@@ -62,11 +69,11 @@ def mita_attention(
         branches: "both" (MiTA), or the paper's ablations "shared" (shared expert only) and
             "routed" (routed experts only, no shared expert).
         return_routing: also return a :class:`MiTARouting` for analysis.
-        impl: "grouped" (linear memory, the default for "auto") or "reference" (the spec's steps).
+        impl: "fused" (C++ kernel: CPU, float32/64, no autograd, no dropout, both branches),
+            "grouped" (pure PyTorch, linear memory, any device, trainable), "reference" (the
+            spec's steps, quadratic memory), or "auto": "fused" where it applies, else "grouped".
     """
-    if impl == "auto":
-        impl = "grouped"
-    if impl not in IMPLEMENTATIONS:
+    if impl not in ("auto", *IMPLEMENTATIONS):
         raise ValueError(f"impl must be one of {['auto', *IMPLEMENTATIONS]}, got {impl!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
@@ -76,6 +83,9 @@ def mita_attention(
         num_prefix_tokens=num_prefix_tokens, key_padding_mask=key_padding_mask, scale=scale,
         landmark_scale=landmark_scale, landmarks=landmarks, branches=branches,
     )  # fmt: skip
+    if impl == "auto":
+        fast = fused.supports(q, k, v, landmarks, cfg=cfg, dropout_p=dropout_p) and fused.available()
+        impl = "fused" if fast else "grouped"
     out, routing = IMPLEMENTATIONS[impl](q, k, v, cfg, landmarks=landmarks, dropout_p=dropout_p)
     return (out, MiTARouting(*routing)) if return_routing else out
 
@@ -98,6 +108,7 @@ __all__ = [
     "MiTAConfig",
     "MiTARouting",
     "mita_attention",
+    "mita_attention_fused",
     "mita_attention_grouped",
     "mita_attention_reference",
     "official_landmarks",

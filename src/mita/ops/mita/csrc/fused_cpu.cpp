@@ -1,0 +1,425 @@
+// Fused MiTA forward on CPU (inference): the algorithm of grouped.py, block by block in cache.
+//
+// Per head x = (b, h), with L the landmarks, s0 = scale, ls = landmark_scale:
+//   A (shared expert and experts): for key blocks, S = L K^T; a streaming top-k per landmark
+//     row, and an online softmax of s0*S accumulated into V~ = softmax(s0 L K^T) V.
+//   B (gate and shared branch): for query blocks, G = Q L^T; routes = top-s of G; the shared
+//     partial softmax of ls*G gives out = softmax(ls G) V~ and its log-sum-exp.
+//   C (routed branch): queries grouped by expert (counting sort); per expert, its keys and
+//     values are gathered once and its queries, in blocks, attend to them (softmax + lse).
+//   Merge: the routed and shared partial softmaxes weighted by the softmax of their
+//     log-sum-exps, which is exactly the one joint softmax of step 6.
+// Matrix products go to the BLAS that libtorch_cpu links (sgemm_/dgemm_); element-wise
+// work uses ATen's vectorized types. Ties in top-k and routing go to the lower index.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/cpu/vec/functional.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+extern "C" {
+void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*, const int*,
+            const float*, const int*, const float*, float*, const int*);
+void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*, const double*,
+            const int*, const double*, const int*, const double*, double*, const int*);
+}
+
+namespace {
+
+using at::vec::Vectorized;
+
+// Row-major C (M x N) = alpha * op(A) op(B) + beta * C, op(A) is M x K, op(B) is K x N.
+// Column-major BLAS sees the transposes: C^T = op(B)^T op(A)^T.
+template <typename T>
+void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t lda, const T* B,
+          int64_t ldb, T beta, T* C, int64_t ldc) {
+  if (M == 0 || N == 0) return;
+  const char a = ta ? 'T' : 'N', b = tb ? 'T' : 'N';
+  const int m = N, n = M, k = K, la = ldb, lb = lda, lc = ldc;
+  if constexpr (std::is_same_v<T, float>) {
+    sgemm_(&b, &a, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
+  } else {
+    dgemm_(&b, &a, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
+  }
+}
+
+template <typename T>
+inline Vectorized<T> vexp(const Vectorized<T>& x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x.exp_u20();
+  } else {
+    return x.exp();
+  }
+}
+
+template <typename T>
+T row_max(const T* x, int64_t n) {
+  using V = Vectorized<T>;
+  T mx = -std::numeric_limits<T>::infinity();
+  int64_t j = 0;
+  if (n >= V::size()) {
+    V vm = V::loadu(x);
+    for (j = V::size(); j + V::size() <= n; j += V::size()) vm = at::vec::maximum(vm, V::loadu(x + j));
+    mx = at::vec::vec_reduce_all<T>([](V& p, V& q) { return at::vec::maximum(p, q); }, vm);
+  }
+  for (; j < n; ++j) mx = (std::isnan(x[j]) || x[j] > mx) ? x[j] : mx;
+  return mx;
+}
+
+// x <- exp(a * x - mx) in place; returns the sum.
+template <typename T>
+T exp_sum(T* x, int64_t n, T a, T mx) {
+  using V = Vectorized<T>;
+  const V va(a), vm(mx);
+  V vs(T(0));
+  int64_t j = 0;
+  for (; j + V::size() <= n; j += V::size()) {
+    V e = vexp(V::loadu(x + j) * va - vm);
+    e.store(x + j);
+    vs = vs + e;
+  }
+  T sum = at::vec::vec_reduce_all<T>([](V& p, V& q) { return p + q; }, vs);
+  for (; j < n; ++j) {
+    x[j] = std::exp(a * x[j] - mx);
+    sum += x[j];
+  }
+  return sum;
+}
+
+template <typename T>
+void scale_row(T* x, int64_t n, T a) {
+  at::vec::map([a](Vectorized<T> v) { return v * Vectorized<T>(a); }, x, x, n);
+}
+
+// x <- exp(a * x - max(a * x)) in place; returns (sum, max(a * x)).
+template <typename T>
+std::pair<T, T> exp_row(T* x, int64_t n, T a) {
+  if (!(a > T(0))) {  // max(a * x) is a * min(x): scale first
+    scale_row(x, n, a);
+    a = T(1);
+  }
+  const T mx = a * row_max(x, n);
+  return {exp_sum(x, n, a, mx), mx};
+}
+
+// Top-k of one row, streamed block by block: a min-heap of the k best (score, index) so far.
+// "Worse" = lower score, or equal score and higher index, so ties keep the lower index.
+template <typename T>
+struct TopK {
+  T* score;
+  int64_t* index;
+  int64_t size = 0, cap = 0;
+
+  static bool worse(T s1, int64_t i1, T s2, int64_t i2) { return s1 < s2 || (s1 == s2 && i1 > i2); }
+
+  void sift_down(int64_t p) {
+    while (true) {
+      int64_t c = 2 * p + 1, w = p;
+      if (c < size && worse(score[c], index[c], score[w], index[w])) w = c;
+      if (c + 1 < size && worse(score[c + 1], index[c + 1], score[w], index[w])) w = c + 1;
+      if (w == p) return;
+      std::swap(score[p], score[w]);
+      std::swap(index[p], index[w]);
+      p = w;
+    }
+  }
+
+  void push(T s, int64_t i) {  // while filling: append and sift up
+    int64_t c = size++;
+    score[c] = s;
+    index[c] = i;
+    while (c > 0) {
+      int64_t p = (c - 1) / 2;
+      if (!worse(score[c], index[c], score[p], index[p])) break;
+      std::swap(score[c], score[p]);
+      std::swap(index[c], index[p]);
+      c = p;
+    }
+  }
+
+  // Offer keys j0 .. j0+n-1 with scores x; `real` (or null) marks the keys that take part.
+  void offer(const T* x, int64_t n, int64_t j0, const bool* real) {
+    int64_t j = 0;
+    for (; j < n && size < cap; ++j)
+      if (!real || real[j]) push(x[j], j0 + j);
+    for (; j < n; ++j) {
+      if (x[j] > score[0] && (!real || real[j])) {  // keys come in index order: an equal score loses
+        score[0] = x[j];
+        index[0] = j0 + j;
+        sift_down(0);
+      }
+    }
+  }
+
+  // Best first, like torch.topk(sorted=True).
+  void sorted_indices(int64_t* out) {
+    std::vector<std::pair<T, int64_t>> v(size);
+    for (int64_t i = 0; i < size; ++i) v[i] = {score[i], index[i]};
+    std::sort(v.begin(), v.end(), [](const auto& p, const auto& q) { return worse(q.first, q.second, p.first, p.second); });
+    for (int64_t i = 0; i < size; ++i) out[i] = v[i].second;
+  }
+};
+
+constexpr int64_t kKeyBlock = 512, kQueryBlock = 256;  // measured best of 256-1024 / 64-512 at N = 16,384
+
+template <typename T>
+void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lm,
+                  const bool* key_mask, const bool* query_mask, int64_t topk, int64_t s, double scale_,
+                  double landmark_scale_, at::Tensor& out, at::Tensor& experts, at::Tensor& routes) {
+  const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), Nk = k.size(2), m = lm.size(2), G = H / Hkv, X = B * H;
+  const T scale = static_cast<T>(scale_), lscale = static_cast<T>(landmark_scale_);
+  const T* Q = q.data_ptr<T>();
+  const T* K = k.data_ptr<T>();
+  const T* Vv = v.data_ptr<T>();
+  const T* L = lm.data_ptr<T>();
+  T* O = out.data_ptr<T>();
+  int64_t* E = experts.data_ptr<int64_t>();
+  int64_t* R = routes.data_ptr<int64_t>();
+  const auto kv_offset = [&](int64_t x) { return ((x / H) * Hkv + (x % H) / G) * Nk * D; };
+  std::vector<int64_t> n_real(B, Nk);
+  if (key_mask)
+    for (int64_t b = 0; b < B; ++b) n_real[b] = std::count(key_mask + b * Nk, key_mask + (b + 1) * Nk, true);
+  const auto opts = q.options();
+  at::Tensor v_shared = at::empty({X, m, D}, opts);
+  at::Tensor lse_shared = at::empty({X, Nq}, opts);
+  T* VS = v_shared.data_ptr<T>();
+  T* LSE = lse_shared.data_ptr<T>();
+  const T ninf = -std::numeric_limits<T>::infinity();
+
+  // A: shared-expert values and the experts' keys, per (head, block of landmark rows).
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>((at::get_num_threads() + X - 1) / X, m / 16));
+  const int64_t rows = (m + chunks - 1) / chunks;
+  at::parallel_for(0, X * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> S(rows * kKeyBlock), mx(rows), sum(rows), hs(rows * topk);
+    std::vector<int64_t> hi(rows * topk);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t x = item / chunks, r0 = (item % chunks) * rows, nr = std::min(rows, m - r0);
+      if (nr <= 0) continue;
+      const int64_t b = x / H, kk = std::min(topk, n_real[b]);
+      const T* Lx = L + (x * m + r0) * D;
+      const T* Kx = K + kv_offset(x);
+      const T* Vx = Vv + kv_offset(x);
+      const bool* km = key_mask ? key_mask + b * Nk : nullptr;
+      T* acc = VS + (x * m + r0) * D;
+      std::fill(acc, acc + nr * D, T(0));
+      std::fill(mx.begin(), mx.end(), ninf);
+      std::fill(sum.begin(), sum.end(), T(0));
+      std::vector<TopK<T>> heaps(nr);
+      for (int64_t r = 0; r < nr; ++r) heaps[r] = {hs.data() + r * topk, hi.data() + r * topk, 0, kk};
+      for (int64_t j0 = 0; j0 < Nk; j0 += kKeyBlock) {
+        const int64_t nb = std::min(kKeyBlock, Nk - j0);
+        gemm<T>(false, true, nr, nb, D, T(1), Lx, D, Kx + j0 * D, D, T(0), S.data(), nb);
+        for (int64_t r = 0; r < nr; ++r) {
+          T* row = S.data() + r * nb;
+          heaps[r].offer(row, nb, j0, km ? km + j0 : nullptr);
+          if (!(scale > T(0))) scale_row(row, nb, scale);
+          const T a = scale > T(0) ? scale : T(1);
+          if (km)
+            for (int64_t j = 0; j < nb; ++j)
+              if (!km[j0 + j]) row[j] = ninf;
+          const T nm = std::max(mx[r], a * row_max(row, nb));
+          if (nm == ninf) {  // every key so far padded
+            std::fill(row, row + nb, T(0));
+            continue;
+          }
+          const T alpha = mx[r] == ninf ? T(0) : std::exp(mx[r] - nm);
+          sum[r] = sum[r] * alpha + exp_sum(row, nb, a, nm);
+          if (alpha != T(1)) scale_row(acc + r * D, D, alpha);
+          mx[r] = nm;
+        }
+        gemm<T>(false, false, nr, D, nb, T(1), S.data(), nb, Vx + j0 * D, D, T(1), acc, D);
+      }
+      for (int64_t r = 0; r < nr; ++r) {
+        scale_row(acc + r * D, D, T(1) / sum[r]);
+        int64_t* e = E + (x * m + r0 + r) * topk;
+        heaps[r].sorted_indices(e);
+        for (int64_t i = kk, j = 0; i < topk; ++i, ++j) {  // a short sequence: padded keys, in order
+          while (km[j]) ++j;
+          e[i] = j;
+        }
+      }
+    }
+  });
+
+  // B: gate, routes and the shared branch, per (head, block of queries).
+  const int64_t qblocks = (Nq + kQueryBlock - 1) / kQueryBlock;
+  at::parallel_for(0, X * qblocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> Gt(kQueryBlock * m), g(m);
+    std::vector<int64_t> order(m);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t x = item / qblocks, t0 = (item % qblocks) * kQueryBlock, nq = std::min(kQueryBlock, Nq - t0);
+      const bool* qm = query_mask ? query_mask + (x / H) * Nq : nullptr;
+      gemm<T>(false, true, nq, m, D, T(1), Q + (x * Nq + t0) * D, D, L + x * m * D, D, T(0), Gt.data(), m);
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t t = t0 + i;
+        T* row = Gt.data() + i * m;
+        int64_t* route = R + (x * Nq + t) * s;
+        if (qm && !qm[t]) {  // padded query: no routes of its own, zero output
+          for (int64_t j = 0; j < s; ++j) route[j] = j;
+          std::fill(row, row + m, T(0));
+          LSE[x * Nq + t] = ninf;
+          continue;
+        }
+        if (s == 1) {
+          int64_t best = 0;
+          for (int64_t e = 1; e < m; ++e)
+            if (row[e] > row[best]) best = e;
+          route[0] = best;
+        } else {
+          for (int64_t e = 0; e < m; ++e) order[e] = e;
+          std::partial_sort(order.begin(), order.begin() + s, order.end(),
+                            [row](int64_t a, int64_t c) { return row[a] > row[c] || (row[a] == row[c] && a < c); });
+          std::copy(order.begin(), order.begin() + s, route);
+        }
+        const auto [sm, rm] = exp_row(row, m, lscale);
+        scale_row(row, m, T(1) / sm);
+        LSE[x * Nq + t] = rm + std::log(sm);
+      }
+      gemm<T>(false, false, nq, D, m, T(1), Gt.data(), m, VS + x * m * D, D, T(0), O + (x * Nq + t0) * D, D);
+    }
+  });
+
+  // C: queries grouped by expert; each expert's keys attend its queries, merged into out.
+  at::Tensor count_t = at::zeros({X, m + 1}, opts.dtype(at::kLong));
+  at::Tensor members_t = at::empty({X, Nq * s}, opts.dtype(at::kLong));
+  int64_t* start = count_t.data_ptr<int64_t>();
+  int64_t* members = members_t.data_ptr<int64_t>();
+  at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t x = begin; x < end; ++x) {
+      const bool* qm = query_mask ? query_mask + (x / H) * Nq : nullptr;
+      int64_t* st = start + x * (m + 1);
+      const int64_t* rx = R + x * Nq * s;
+      for (int64_t t = 0; t < Nq; ++t)
+        if (!qm || qm[t])
+          for (int64_t j = 0; j < s; ++j) ++st[rx[t * s + j] + 1];
+      for (int64_t e = 0; e < m; ++e) st[e + 1] += st[e];
+      std::vector<int64_t> fill(st, st + m);
+      for (int64_t t = 0; t < Nq; ++t)
+        if (!qm || qm[t])
+          for (int64_t j = 0; j < s; ++j) members[x * Nq * s + fill[rx[t * s + j]]++] = t * s + j;
+    }
+  });
+  at::Tensor routed_out, routed_lse;  // s > 1: each (query, route) result, merged after
+  if (s > 1) {
+    routed_out = at::empty({X, Nq * s, D}, opts);
+    routed_lse = at::empty({X, Nq * s}, opts);
+  }
+  at::parallel_for(0, X * m, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> Ke(topk * D), Ve(topk * D), Qb(kQueryBlock * D), Sb(kQueryBlock * topk), Ob(kQueryBlock * D),
+        lse(kQueryBlock);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t x = item / m, e = item % m;
+      const int64_t* st = start + x * (m + 1);
+      const int64_t n_e = st[e + 1] - st[e];
+      if (n_e == 0) continue;
+      const int64_t kk = std::min(topk, n_real[x / H]);
+      const int64_t* keys = E + (x * m + e) * topk;
+      const T* Kx = K + kv_offset(x);
+      const T* Vx = Vv + kv_offset(x);
+      for (int64_t i = 0; i < kk; ++i) {
+        std::copy(Kx + keys[i] * D, Kx + (keys[i] + 1) * D, Ke.data() + i * D);
+        std::copy(Vx + keys[i] * D, Vx + (keys[i] + 1) * D, Ve.data() + i * D);
+      }
+      const int64_t* mem = members + x * Nq * s + st[e];
+      for (int64_t i0 = 0; i0 < n_e; i0 += kQueryBlock) {
+        const int64_t nb = std::min(kQueryBlock, n_e - i0);
+        for (int64_t i = 0; i < nb; ++i) {
+          const T* src = Q + (x * Nq + mem[i0 + i] / s) * D;
+          std::copy(src, src + D, Qb.data() + i * D);
+        }
+        gemm<T>(false, true, nb, kk, D, T(1), Qb.data(), D, Ke.data(), D, T(0), Sb.data(), kk);
+        for (int64_t i = 0; i < nb; ++i) {
+          T* row = Sb.data() + i * kk;
+          const auto [sm, rm] = exp_row(row, kk, scale);
+          scale_row(row, kk, T(1) / sm);
+          lse[i] = rm + std::log(sm);
+        }
+        gemm<T>(false, false, nb, D, kk, T(1), Sb.data(), kk, Ve.data(), D, T(0), Ob.data(), D);
+        for (int64_t i = 0; i < nb; ++i) {
+          const int64_t slot = mem[i0 + i], t = slot / s;
+          if (s == 1) {  // out = lerp(out_shared, out_routed, sigmoid(lse_r - lse_shared))
+            const T w = T(1) / (T(1) + std::exp(LSE[x * Nq + t] - lse[i]));
+            T* o = O + (x * Nq + t) * D;
+            const T* r = Ob.data() + i * D;
+            for (int64_t d = 0; d < D; ++d) o[d] += w * (r[d] - o[d]);
+          } else {
+            std::copy(Ob.data() + i * D, Ob.data() + (i + 1) * D, routed_out.data_ptr<T>() + (x * Nq * s + slot) * D);
+            routed_lse.data_ptr<T>()[x * Nq * s + slot] = lse[i];
+          }
+        }
+      }
+    }
+  });
+  if (s == 1) return;
+  // Merge for s > 1: weights softmax([lse_shared, lse_r1 .. lse_rs]).
+  const T* RO = routed_out.data_ptr<T>();
+  const T* RL = routed_lse.data_ptr<T>();
+  at::parallel_for(0, X * Nq, 256, [&](int64_t begin, int64_t end) {
+    std::vector<T> w(s + 1);
+    for (int64_t xt = begin; xt < end; ++xt) {
+      if (query_mask && !query_mask[(xt / (H * Nq)) * Nq + xt % Nq]) continue;
+      w[0] = LSE[xt];
+      std::copy(RL + xt * s, RL + (xt + 1) * s, w.begin() + 1);
+      const T wm = *std::max_element(w.begin(), w.end());
+      T ws = 0;
+      for (auto& a : w) ws += (a = std::exp(a - wm));
+      T* o = O + xt * D;
+      for (int64_t d = 0; d < D; ++d) {
+        T a = w[0] * o[d];
+        for (int64_t j = 0; j < s; ++j) a += w[j + 1] * RO[(xt * s + j) * D + d];
+        o[d] = a / ws;
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                       const at::Tensor& landmarks,
+                                                       const std::optional<at::Tensor>& key_mask, bool self_attention,
+                                                       int64_t topk, int64_t num_routed, double scale,
+                                                       double landmark_scale) {
+  for (const auto* t : {&q, &k, &v, &landmarks}) {
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->dim() == 4, "mita fused: q, k, v, landmarks must be contiguous 4-D CPU tensors");
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "mita fused: q, k, v, landmarks must share one dtype");
+  }
+  const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3), m = landmarks.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && H % k.size(1) == 0 && v.sizes() == k.sizes(), "mita fused: bad k, v shapes");
+  TORCH_CHECK(landmarks.size(0) == B && landmarks.size(1) == H && landmarks.size(3) == D, "mita fused: bad landmarks shape");
+  TORCH_CHECK(topk >= 1 && topk <= k.size(2) && num_routed >= 1 && num_routed <= m, "mita fused: bad topk or num_routed");
+  const bool* km = nullptr;
+  if (key_mask.has_value()) {
+    TORCH_CHECK(key_mask->scalar_type() == at::kBool && key_mask->is_contiguous() && key_mask->dim() == 2 &&
+                    key_mask->size(0) == B && key_mask->size(1) == k.size(2),
+                "mita fused: key_mask must be a contiguous (B, Nk) bool tensor");
+    km = key_mask->data_ptr<bool>();
+  }
+  TORCH_CHECK(!self_attention || km == nullptr || Nq == k.size(2), "mita fused: a query mask needs Nq == Nk");
+  at::Tensor out = at::empty_like(q);
+  at::Tensor experts = at::empty({B, H, m, topk}, q.options().dtype(at::kLong));
+  at::Tensor routes = at::empty({B, H, Nq, num_routed}, q.options().dtype(at::kLong));
+  const bool* qm = self_attention ? km : nullptr;
+  if (q.scalar_type() == at::kFloat) {
+    forward_impl<float>(q, k, v, landmarks, km, qm, topk, num_routed, scale, landmark_scale, out, experts, routes);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kDouble, "mita fused: float32 or float64 only");
+    forward_impl<double>(q, k, v, landmarks, km, qm, topk, num_routed, scale, landmark_scale, out, experts, routes);
+  }
+  return {out, experts, routes};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(mita, m) {
+  m.def(
+      "fused_forward(Tensor q, Tensor k, Tensor v, Tensor landmarks, Tensor? key_mask, bool self_attention, "
+      "int topk, int num_routed, float scale, float landmark_scale) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(mita, CPU, m) { m.impl("fused_forward", &forward); }

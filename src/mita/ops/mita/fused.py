@@ -1,0 +1,144 @@
+"""Fused MiTA forward on CPU: a C++ kernel (``csrc/fused_cpu.cpp``) for inference.
+
+The kernel runs the grouped algorithm block by block in cache (no grouped buffers, no
+Python-side bookkeeping) and calls the BLAS that PyTorch links for every matrix product.
+It is compiled on first use with the compiler already on the machine and cached in
+``$MITA_CACHE`` (default ``~/.cache/mita``), keyed by torch version and CPU capability,
+so a user waits once. ``MITA_FUSED=0`` turns it off; if it cannot be built, MiTA falls
+back to the pure-PyTorch grouped path with one warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import sysconfig
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from .config import MiTAConfig
+from .grouped import pool_landmarks
+
+SOURCE = Path(__file__).with_name("csrc") / "fused_cpu.cpp"
+_ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _isa() -> str:
+    cap = torch.backends.cpu.get_cpu_capability()
+    return "AVX512" if cap.startswith("AVX512") else "AVX2" if cap == "AVX2" else "DEFAULT"
+
+
+def cache_dir() -> Path:
+    """Where the compiled kernel lives: one folder per torch version, CPU capability and source."""
+    root = Path(os.environ.get("MITA_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mita")
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    return root / f"kernels-torch{torch.__version__}-{_isa()}-{digest}"
+
+
+def available() -> bool:
+    """Whether the fused CPU kernel is loaded (compiling it on the first call)."""
+    with _lock:
+        if "ok" not in _state:
+            _state["ok"] = _load()
+    return bool(_state["ok"])
+
+
+def _load() -> bool:
+    if os.environ.get("MITA_FUSED", "1") == "0":
+        return False
+    try:
+        cuda_note = logging.getLogger("torch.utils.cpp_extension")  # "No CUDA runtime is found": not ours
+        level, cuda_note.level = cuda_note.level, logging.ERROR
+        try:
+            from torch.utils.cpp_extension import load
+        finally:
+            cuda_note.setLevel(level)
+
+        build = cache_dir()
+        build.mkdir(parents=True, exist_ok=True)
+        if not any(build.glob("*.so")):
+            print(f"mita: compiling the fused CPU kernel once (about a minute; cached in {build})", file=sys.stderr)
+        # torch runs `ninja` from PATH: make this environment's scripts folder (pip's ninja) findable.
+        scripts = sysconfig.get_path("scripts")
+        if scripts not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+        isa = _isa()
+        defines = [] if isa == "DEFAULT" else [f"-DCPU_CAPABILITY={isa}", f"-DCPU_CAPABILITY_{isa}"]
+        load(
+            name=f"mita_fused_{isa.lower()}",
+            sources=[str(SOURCE)],
+            build_directory=str(build),
+            extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS.get(isa, []), *defines],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+        return True
+    except Exception as err:  # no compiler, no ninja, no BLAS symbols, ...
+        warnings.warn(
+            f"mita: the fused CPU kernel could not be built ({type(err).__name__}: {str(err)[:300]}); "
+            "MiTA uses the pure-PyTorch grouped path (set MITA_FUSED=0 to silence this)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+
+
+def supports(*tensors: torch.Tensor | None, cfg: MiTAConfig, dropout_p: float) -> bool:
+    """Whether a call on q, k, v (and landmarks) can take the fused kernel: CPU, float32/64,
+    nothing to differentiate, no dropout, both branches."""
+    q = tensors[0]
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.float64)
+        and dropout_p == 0
+        and cfg.branches == "both"
+        and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+    )
+
+
+def mita_attention_fused(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cfg: MiTAConfig,
+    landmarks: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """MiTA forward by the fused CPU kernel; returns (out, (landmarks, experts, routes))."""
+    if not supports(q, k, v, landmarks, cfg=cfg, dropout_p=dropout_p):
+        raise ValueError(
+            "impl='fused' needs CPU float32/float64 tensors without autograd (torch.no_grad() or "
+            "inference_mode()), dropout_p=0 and branches='both'; use impl='grouped' otherwise"
+        )
+    if not available():
+        raise RuntimeError("impl='fused': the fused CPU kernel is not available (see the warning above)")
+    if cfg.key_mask is not None:  # padded slots may hold anything: they must not reach a product
+        k = k.masked_fill(~cfg.key_mask[:, None, :, None], 0)
+        v = v.masked_fill(~cfg.key_mask[:, None, :, None], 0)
+    if cfg.query_mask is not None:
+        q = q.masked_fill(~cfg.query_mask[:, None, :, None], 0)
+    if landmarks is None:
+        landmarks = pool_landmarks(q, cfg)
+    out, experts, routes = torch.ops.mita.fused_forward(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        landmarks.contiguous(),
+        None if cfg.key_mask is None else cfg.key_mask.contiguous(),
+        cfg.query_mask is not None,
+        cfg.topk,
+        cfg.num_routed,
+        cfg.scale,
+        cfg.landmark_scale,
+    )
+    return out, (landmarks, experts, routes)

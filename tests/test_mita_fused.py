@@ -1,0 +1,117 @@
+"""The fused CPU kernel: dispatch, agreement with the other paths past its block sizes, fallbacks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import mita.ops.mita as mita_ops
+from mita import mita_attention
+from mita.ops.mita import fused
+from test_mita_op import Case
+
+# Where a compiler is (CI included), the kernel must build: a failed build fails these tests.
+pytestmark = pytest.mark.skipif(os.environ.get("MITA_FUSED") == "0", reason="MITA_FUSED=0 switches the kernel off")
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Records which implementation each call took."""
+    calls: list[str] = []
+    for name, fn in list(mita_ops.IMPLEMENTATIONS.items()):
+        recorded = lambda *a, _n=name, _f=fn, **kw: calls.append(_n) or _f(*a, **kw)  # noqa: E731
+        monkeypatch.setitem(mita_ops.IMPLEMENTATIONS, name, recorded)
+    return calls
+
+
+@pytest.fixture
+def fresh_state(monkeypatch):
+    """Forget whether the kernel loaded, and restore that afterwards."""
+    monkeypatch.setattr(fused, "_state", {})
+
+
+def test_auto_takes_the_kernel_only_where_it_applies(spy) -> None:
+    q, k, v, mask = Case(N=40, m=4, k=6, s=2, mask=True).inputs(dtype=torch.float32)
+    opts = dict(num_landmarks=4, topk=6, num_routed=2, key_padding_mask=mask)
+    with torch.no_grad():
+        mita_attention(q, k, v, **opts)
+        mita_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), **opts)
+        mita_attention(q, k, v, **opts, dropout_p=0.1)
+        mita_attention(q, k, v, **opts, branches="shared")
+    mita_attention(q, k, v, **opts)  # nothing requires grad
+    mita_attention(q.requires_grad_(), k, v, **opts)
+    assert spy == ["fused", "grouped", "grouped", "grouped", "fused", "grouped"]
+
+
+@pytest.mark.parametrize(
+    "override",
+    [dict(requires_grad=True), dict(dtype=torch.bfloat16), dict(dropout_p=0.1), dict(branches="routed")],
+    ids=["grad", "bf16", "dropout", "ablation"],
+)
+def test_fused_refuses_what_it_cannot_do(override: dict) -> None:
+    q, k, v, _ = Case(N=20, m=3, k=4).inputs(dtype=override.pop("dtype", torch.float64))
+    q.requires_grad_(override.pop("requires_grad", False))
+    with pytest.raises(ValueError, match="impl='fused' needs"):
+        mita_attention(q, k, v, num_landmarks=3, topk=4, impl="fused", **override)
+
+
+LARGE = [
+    Case(B=1, H=2, N=3000, D=32, m=24, k=40, s=1),
+    Case(B=2, H=4, Hkv=2, N=1300, D=16, m=20, k=70, s=2, mask=True),
+    Case(B=1, H=2, N=600, Nk=1500, D=16, m=10, k=600, s=3, mask=True),
+]
+
+
+@pytest.mark.parametrize("case", LARGE, ids=[str(c) for c in LARGE])
+def test_fused_matches_grouped_across_blocks(case: Case) -> None:
+    """Lengths past the kernel's key (512) and query (256) blocks, masks, GQA, cross-attention."""
+    q, k, v, mask = case.inputs()
+    with torch.no_grad():
+        out, r = mita_attention(q, k, v, **case.kwargs(mask), impl="fused", return_routing=True)
+        ref, rr = mita_attention(q, k, v, **case.kwargs(mask), impl="grouped", return_routing=True)
+    assert (out - ref).abs().max().item() <= 1e-10
+    if mask is None:  # (with padding, routing is compared in test_mita_op)
+        assert torch.equal(r.experts, rr.experts) and torch.equal(r.routes, rr.routes)
+
+
+def test_fused_float32_is_deterministic_and_reads_no_uninitialised_memory() -> None:
+    case = Case(B=2, H=2, N=700, D=32, m=16, k=24, s=2, mask=True)
+    q, k, v, mask = case.inputs(dtype=torch.float32)
+    old = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        with torch.no_grad():
+            runs = [mita_attention(q, k, v, **case.kwargs(mask), impl="fused") for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(old[0])
+        torch.utils.deterministic.fill_uninitialized_memory = old[1]
+    assert torch.isfinite(runs[0]).all() and torch.equal(runs[0], runs[1])
+
+
+def test_switched_off_falls_back_to_grouped(fresh_state, monkeypatch, spy) -> None:
+    monkeypatch.setenv("MITA_FUSED", "0")
+    q, k, v, _ = Case(N=20, m=3, k=4).inputs()
+    with torch.no_grad():
+        mita_attention(q, k, v, num_landmarks=3, topk=4)
+        with pytest.raises(RuntimeError, match="not available"):
+            mita_attention(q, k, v, num_landmarks=3, topk=4, impl="fused")
+    assert spy == ["grouped", "fused"]
+
+
+def test_failed_build_warns_once_and_falls_back(fresh_state, monkeypatch, tmp_path) -> None:
+    bad = tmp_path / "fused_cpu.cpp"
+    bad.write_text("this is not C++\n")
+    monkeypatch.setattr(fused, "SOURCE", bad)
+    monkeypatch.setenv("MITA_CACHE", str(tmp_path / "cache"))
+    with pytest.warns(RuntimeWarning, match="could not be built"):
+        assert not fused.available()
+    assert not fused.available()  # decided once per process
+
+
+def test_cache_dir_is_keyed_by_torch_capability_and_source(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("MITA_CACHE", str(tmp_path))
+    d = fused.cache_dir()
+    assert d.parent == tmp_path and torch.__version__ in d.name and fused._isa() in d.name
