@@ -12,6 +12,7 @@ device-agnostic; the backward of the two softmax pieces is hand-written (``autog
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..tiling import tile_rows, zero_padded
 from .autograd import SoftmaxLSE, TileAttention
@@ -33,11 +34,12 @@ def pool_landmarks(q: torch.Tensor, cfg: MiTAConfig) -> torch.Tensor:
     x = q[:, :, cfg.num_prefix_tokens :]
     L = x.shape[2]
     real = None if cfg.query_mask is None else cfg.query_mask[:, cfg.num_prefix_tokens :]
+    B, H, _, D = x.shape
     if cfg.grid is None:
         if real is None:
             if L % cfg.m == 0:
                 return x.unflatten(2, (cfg.m, L // cfg.m)).mean(3)
-            return pooling_matrix(L, cfg.m, q.device, q.dtype) @ x
+            return F.adaptive_avg_pool1d(x.flatten(0, 1).transpose(1, 2), cfg.m).transpose(1, 2).view(B, H, cfg.m, D)
         # 1-D bins over each sequence's real tokens: bin of a token = bins of its rank.
         n_real = real.sum(1)  # (B,)
         rank = real.cumsum(1) - 1  # (B, L)
@@ -48,9 +50,10 @@ def pool_landmarks(q: torch.Tensor, cfg: MiTAConfig) -> torch.Tensor:
         w = w.to(q.dtype) / (end - start).to(q.dtype)[..., None]  # (B, m, L)
         return w[:, None] @ x
     (gh, gw), (mh, mw) = cfg.grid, cfg.pool_shape
-    w = torch.kron(pooling_matrix(gh, mh, q.device, q.dtype), pooling_matrix(gw, mw, q.device, q.dtype))
     if real is None:
-        return w @ x
+        img = x.flatten(0, 1).transpose(1, 2).unflatten(2, (gh, gw))  # (B H, D, gh, gw)
+        return F.adaptive_avg_pool2d(img, (mh, mw)).flatten(2).transpose(1, 2).view(B, H, cfg.m, D)
+    w = torch.kron(pooling_matrix(gh, mh, q.device, q.dtype), pooling_matrix(gw, mw, q.device, q.dtype))
     w = w[None] * real[:, None].to(q.dtype)  # (B, m, L): mean over the real tokens of each bin
     den = w.sum(-1, keepdim=True)
     if bool((den == 0).any()):
