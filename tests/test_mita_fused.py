@@ -115,3 +115,18 @@ def test_cache_dir_is_keyed_by_torch_capability_and_source(monkeypatch, tmp_path
     monkeypatch.setenv("MITA_CACHE", str(tmp_path))
     d = fused.cache_dir()
     assert d.parent == tmp_path and torch.__version__ in d.name and fused._isa() in d.name
+
+
+def test_operator_schema_and_fake_kernel() -> None:
+    """torch.library's checks: the schema matches what the kernel does, the fake kernel its shapes."""
+    q, k, v, mask = Case(B=2, H=2, N=50, D=8, m=4, k=6, s=2, mask=True).inputs(dtype=torch.float32)
+    landmarks = torch.randn(2, 2, 4, 8)
+    args = (q, k.masked_fill(~mask[:, None, :, None], 0), v, landmarks, mask, True, 6, 2, 0.3, 0.2)
+    torch.library.opcheck(torch.ops.mita.fused_forward.default, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_traces_under_torch_compile() -> None:
+    q, k, v, _ = Case(N=40, m=4, k=6).inputs(dtype=torch.float32)
+    fn = lambda q, k, v: mita_attention(q, k, v, num_landmarks=4, topk=6)  # noqa: E731
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(fn, backend="eager")(q, k, v), fn(q, k, v))

@@ -82,6 +82,7 @@ def _load() -> bool:
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )
+        torch.library.register_fake("mita::fused_forward")(_fake_forward)
         return True
     except Exception as err:  # no compiler, no ninja, no BLAS symbols, ...
         warnings.warn(
@@ -91,6 +92,13 @@ def _load() -> bool:
             stacklevel=3,
         )
         return False
+
+
+def _fake_forward(q, k, v, landmarks, key_mask, self_attention, topk, num_routed, scale, landmark_scale):
+    """Output shapes without computing, for tracing (``torch.compile``, FakeTensor)."""
+    B, H, Nq, _ = q.shape
+    experts = q.new_empty(B, H, landmarks.shape[2], topk, dtype=torch.long)
+    return q.new_empty(q.shape), experts, q.new_empty(B, H, Nq, num_routed, dtype=torch.long)
 
 
 def supports(*tensors: torch.Tensor | None, cfg: MiTAConfig, dropout_p: float) -> bool:
