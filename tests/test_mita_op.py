@@ -150,16 +150,17 @@ GRAD_CASES = [CASES[2], CASES[4], CASES[6], CASES[9], CASES[10]]
 def test_gradients_match_reference(case: Case) -> None:
     q, k, v, mask = case.inputs()
     grads = []
-    for impl in ("reference", "grouped"):
+    for impl in ("reference", "grouped", "fused"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = mita_attention(*leaves, **case.kwargs(mask), impl=impl)
         out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out))
         grads.append([t.grad for t in leaves])
-    for a, b in zip(*grads):
-        assert (a - b).abs().max().item() <= 1e-10
+    for fast in grads[1:]:
+        for a, b in zip(grads[0], fast):
+            assert (a - b).abs().max().item() <= 1e-10
 
 
-@pytest.mark.parametrize("impl", ["grouped", "reference"])
+@pytest.mark.parametrize("impl", ["fused", "grouped", "reference"])
 @pytest.mark.parametrize(
     "case",
     [
@@ -262,7 +263,7 @@ def test_padding_takes_no_part() -> None:
         assert mask.gather(1, r.experts.flatten(1)).all()  # experts only hold real keys
 
 
-@pytest.mark.parametrize("impl", ["grouped", "reference"])
+@pytest.mark.parametrize("impl", ["fused", "grouped", "reference"])
 def test_deterministic_bits(impl: str) -> None:
     case = Case(N=200, D=32, m=8, k=16, s=2, mask=True)
     q, k, v, mask = case.inputs(dtype=torch.float32)
@@ -276,7 +277,8 @@ def test_deterministic_bits(impl: str) -> None:
         assert torch.equal(a, b)
 
 
-def test_no_uninitialised_reads() -> None:
+@pytest.mark.parametrize("impl", ["fused", "grouped"])
+def test_no_uninitialised_reads(impl: str) -> None:
     """Fresh allocations filled with NaN must not reach the output or the gradients."""
     case = Case(N=150, D=16, m=8, k=12, s=2, mask=True)
     q, k, v, mask = case.inputs()
@@ -286,7 +288,7 @@ def test_no_uninitialised_reads() -> None:
     try:
         for s in (1, 2):
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            out = mita_attention(*leaves, **{**case.kwargs(mask), "num_routed": s})
+            out = mita_attention(*leaves, **{**case.kwargs(mask), "num_routed": s}, impl=impl)
             out.sum().backward()
             assert all(torch.isfinite(t).all() for t in (out, *(x.grad for x in leaves)))
     finally:
@@ -294,19 +296,20 @@ def test_no_uninitialised_reads() -> None:
         torch.utils.deterministic.fill_uninitialized_memory = old[1]
 
 
+@pytest.mark.parametrize("impl", ["fused", "grouped"])
 @pytest.mark.parametrize("bad", ["nan_q", "inf_k", "nan_v"])
 @pytest.mark.parametrize("s", [1, 2])
-def test_nonfinite_batch_element_is_isolated(bad: str, s: int) -> None:
+def test_nonfinite_batch_element_is_isolated(bad: str, s: int, impl: str) -> None:
     case = Case(B=3, N=70, m=5, k=9, s=s)
     q, k, v, _ = case.inputs()
     tensors = {"q": q.clone(), "k": k.clone(), "v": v.clone()}
     name, value = bad.split("_")[1], float(bad.split("_")[0])
     tensors[name][1, :, 10:20] = value
-    out = mita_attention(tensors["q"], tensors["k"], tensors["v"], **case.kwargs(None))
-    clean = mita_attention(q, k, v, **case.kwargs(None))
+    out = mita_attention(tensors["q"], tensors["k"], tensors["v"], **case.kwargs(None), impl=impl)
+    clean = mita_attention(q, k, v, **case.kwargs(None), impl=impl)
     assert torch.equal(out[[0, 2]], clean[[0, 2]])
     leaves = [t.requires_grad_() for t in tensors.values()]
-    mita_attention(*leaves, **case.kwargs(None)).sum().backward()
+    mita_attention(*leaves, **case.kwargs(None), impl=impl).sum().backward()
     assert all(torch.isfinite(t.grad[[0, 2]]).all() for t in leaves)
 
 

@@ -1,8 +1,8 @@
 """MiTA attention (Mixture of Top-k Activations), spec section 2.
 
 ``naive.py`` is the reference that reads like the spec; ``grouped.py`` is the portable
-linear-memory path (any device, autograd); ``fused.py`` runs a C++ kernel for CPU
-inference. :func:`mita_attention` checks the arguments and picks one.
+linear-memory path (any device, autograd); ``fused.py`` runs C++ kernels on CPU
+(forward and backward). :func:`mita_attention` checks the arguments and picks one.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def mita_attention(
         branches: "both" (MiTA), or the paper's ablations "shared" (shared expert only) and
             "routed" (routed experts only, no shared expert).
         return_routing: also return a :class:`MiTARouting` for analysis.
-        impl: "fused" (C++ kernel: CPU, float32/64, no autograd, no dropout, both branches),
+        impl: "fused" (C++ kernels, forward and backward: CPU, float32/64, no dropout, both branches),
             "grouped" (pure PyTorch, linear memory, any device, trainable), "reference" (the
             spec's steps, quadratic memory), or "auto": "fused" where it applies, else "grouped".
     """

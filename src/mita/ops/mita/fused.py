@@ -1,7 +1,9 @@
-"""Fused MiTA forward on CPU: a C++ kernel (``csrc/fused_cpu.cpp``) for inference.
+"""Fused MiTA on CPU: C++ forward and backward kernels (``csrc/fused_cpu.cpp``).
 
-The kernel runs the grouped algorithm block by block in cache (no grouped buffers, no
-Python-side bookkeeping) and calls the BLAS that PyTorch links for every matrix product.
+The forward runs the grouped algorithm block by block in cache (no grouped buffers, no
+Python-side bookkeeping) and calls the BLAS that PyTorch links for every matrix product;
+it saves only the shared values and two log-sum-exps, from which the backward recomputes
+the probabilities it needs, like flash attention.
 It is compiled on first use with the compiler already on the machine and cached in
 ``$MITA_CACHE`` (default ``~/.cache/mita``), keyed by torch version and CPU capability,
 so a user waits once. ``MITA_FUSED=0`` turns it off; if it cannot be built, MiTA falls
@@ -83,6 +85,7 @@ def _load() -> bool:
             is_python_module=False,
         )
         torch.library.register_fake("mita::fused_forward")(_fake_forward)
+        torch.library.register_fake("mita::fused_backward")(_fake_backward)
         return True
     except Exception as err:  # no compiler, no ninja, no BLAS symbols, ...
         warnings.warn(
@@ -96,21 +99,57 @@ def _load() -> bool:
 
 def _fake_forward(q, k, v, landmarks, key_mask, self_attention, topk, num_routed, scale, landmark_scale):
     """Output shapes without computing, for tracing (``torch.compile``, FakeTensor)."""
-    B, H, Nq, _ = q.shape
-    experts = q.new_empty(B, H, landmarks.shape[2], topk, dtype=torch.long)
-    return q.new_empty(q.shape), experts, q.new_empty(B, H, Nq, num_routed, dtype=torch.long)
+    B, H, Nq, D = q.shape
+    m, long = landmarks.shape[2], torch.long
+    return [
+        q.new_empty(q.shape),
+        q.new_empty(B, H, m, topk, dtype=long),
+        q.new_empty(B, H, Nq, num_routed, dtype=long),
+        q.new_empty(B, H, m, D),
+        q.new_empty(B, H, m),
+        q.new_empty(B, H, Nq),
+    ]
+
+
+def _fake_backward(dout, q, k, v, landmarks, *_):
+    """Gradient shapes without computing: q's, k's, v's and the landmarks'."""
+    return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), landmarks.new_empty(landmarks.shape)]
+
+
+class _FusedMiTA(torch.autograd.Function):
+    """The kernel's forward and backward as one autograd node (experts and routes carry no gradient)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, landmarks, key_mask, self_attention, topk, num_routed, scale, landmark_scale):
+        out, experts, routes, v_shared, lse_a, lse_t = torch.ops.mita.fused_forward(
+            q, k, v, landmarks, key_mask, self_attention, topk, num_routed, scale, landmark_scale
+        )
+        ctx.save_for_backward(q, k, v, landmarks, key_mask, experts, routes, out, v_shared, lse_a, lse_t)
+        ctx.args = (self_attention, scale, landmark_scale)
+        ctx.mark_non_differentiable(experts, routes)
+        return out, experts, routes
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, _experts, _routes):
+        q, k, v, landmarks, key_mask, experts, routes, out, v_shared, lse_a, lse_t = ctx.saved_tensors
+        self_attention, scale, landmark_scale = ctx.args
+        grads = torch.ops.mita.fused_backward(
+            dout.contiguous(), q, k, v, landmarks, key_mask, self_attention, experts, routes, out, v_shared,
+            lse_a, lse_t, scale, landmark_scale,
+        )  # fmt: skip
+        return *grads, None, None, None, None, None, None
 
 
 def supports(*tensors: torch.Tensor | None, cfg: MiTAConfig, dropout_p: float) -> bool:
     """Whether a call on q, k, v (and landmarks) can take the fused kernel: CPU, float32/64,
-    nothing to differentiate, no dropout, both branches."""
+    no dropout, both branches."""
     q = tensors[0]
     return (
         q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.float64)
         and dropout_p == 0
-        and cfg.branches == "both"
-        and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+        and (cfg.branches == "both")
     )
 
 
@@ -122,11 +161,11 @@ def mita_attention_fused(
     landmarks: torch.Tensor | None = None,
     dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """MiTA forward by the fused CPU kernel; returns (out, (landmarks, experts, routes))."""
+    """MiTA by the fused CPU kernel, forward and backward; returns (out, (landmarks, experts, routes))."""
     if not supports(q, k, v, landmarks, cfg=cfg, dropout_p=dropout_p):
         raise ValueError(
-            "impl='fused' needs CPU float32/float64 tensors without autograd (torch.no_grad() or "
-            "inference_mode()), dropout_p=0 and branches='both'; use impl='grouped' otherwise"
+            "impl='fused' needs CPU float32/float64 tensors, dropout_p=0 and branches='both'; "
+            "use impl='grouped' otherwise"
         )
     if not available():
         raise RuntimeError("impl='fused': the fused CPU kernel is not available (see the warning above)")
@@ -137,16 +176,9 @@ def mita_attention_fused(
         q = q.masked_fill(~cfg.query_mask[:, None, :, None], 0)
     if landmarks is None:
         landmarks = pool_landmarks(q, cfg)
-    out, experts, routes = torch.ops.mita.fused_forward(
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
-        landmarks.contiguous(),
-        None if cfg.key_mask is None else cfg.key_mask.contiguous(),
-        cfg.query_mask is not None,
-        cfg.topk,
-        cfg.num_routed,
-        cfg.scale,
-        cfg.landmark_scale,
-    )
+    key_mask = None if cfg.key_mask is None else cfg.key_mask.contiguous()
+    out, experts, routes = _FusedMiTA.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), landmarks.contiguous(), key_mask,
+        cfg.query_mask is not None, cfg.topk, cfg.num_routed, cfg.scale, cfg.landmark_scale,
+    )  # fmt: skip
     return out, (landmarks, experts, routes)

@@ -182,7 +182,8 @@ constexpr int64_t kKeyBlock = 512, kQueryBlock = 256;  // measured best of 256-1
 template <typename T>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lm,
                   const bool* key_mask, const bool* query_mask, int64_t topk, int64_t s, double scale_,
-                  double landmark_scale_, at::Tensor& out, at::Tensor& experts, at::Tensor& routes) {
+                  double landmark_scale_, at::Tensor& out, at::Tensor& experts, at::Tensor& routes,
+                  at::Tensor& v_shared, at::Tensor& lse_a, at::Tensor& lse_t) {
   const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), Nk = k.size(2), m = lm.size(2), G = H / Hkv, X = B * H;
   const T scale = static_cast<T>(scale_), lscale = static_cast<T>(landmark_scale_);
@@ -198,9 +199,10 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   if (key_mask)
     for (int64_t b = 0; b < B; ++b) n_real[b] = std::count(key_mask + b * Nk, key_mask + (b + 1) * Nk, true);
   const auto opts = q.options();
-  at::Tensor v_shared = at::empty({X, m, D}, opts);
   at::Tensor lse_shared = at::empty({X, Nq}, opts);
   T* VS = v_shared.data_ptr<T>();
+  T* LA = lse_a.data_ptr<T>();  // log-sum-exp of each landmark's row of s0*A
+  T* LT = lse_t.data_ptr<T>();  // log-sum-exp of each query's joint softmax (step 6)
   T* LSE = lse_shared.data_ptr<T>();
   const T ninf = -std::numeric_limits<T>::infinity();
 
@@ -250,6 +252,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       }
       for (int64_t r = 0; r < nr; ++r) {
         scale_row(acc + r * D, D, T(1) / sum[r]);
+        LA[x * m + r0 + r] = mx[r] + std::log(sum[r]);
         int64_t* e = E + (x * m + r0 + r) * topk;
         heaps[r].sorted_indices(e);
         for (int64_t i = kk, j = 0; i < topk; ++i, ++j) {  // a short sequence: padded keys, in order
@@ -278,6 +281,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           for (int64_t j = 0; j < s; ++j) route[j] = j;
           std::fill(row, row + m, T(0));
           LSE[x * Nq + t] = ninf;
+          LT[x * Nq + t] = T(0);
           continue;
         }
         if (s == 1) {
@@ -359,7 +363,8 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         for (int64_t i = 0; i < nb; ++i) {
           const int64_t slot = mem[i0 + i], t = slot / s;
           if (s == 1) {  // out = lerp(out_shared, out_routed, sigmoid(lse_r - lse_shared))
-            const T w = T(1) / (T(1) + std::exp(LSE[x * Nq + t] - lse[i]));
+            const T a = LSE[x * Nq + t], c = lse[i], w = T(1) / (T(1) + std::exp(a - c));
+            LT[x * Nq + t] = std::max(a, c) + std::log1p(std::exp(-std::abs(a - c)));
             T* o = O + (x * Nq + t) * D;
             const T* r = Ob.data() + i * D;
             for (int64_t d = 0; d < D; ++d) o[d] += w * (r[d] - o[d]);
@@ -384,6 +389,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const T wm = *std::max_element(w.begin(), w.end());
       T ws = 0;
       for (auto& a : w) ws += (a = std::exp(a - wm));
+      LT[xt] = wm + std::log(ws);
       T* o = O + xt * D;
       for (int64_t d = 0; d < D; ++d) {
         T a = w[0] * o[d];
@@ -394,38 +400,210 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                       const at::Tensor& landmarks,
-                                                       const std::optional<at::Tensor>& key_mask, bool self_attention,
-                                                       int64_t topk, int64_t num_routed, double scale,
-                                                       double landmark_scale) {
+// Backward of the joint softmax of step 6 and of V~ = softmax(s0 L K^T) V, per head x (one
+// task per head: dq, dlandmarks and the head's dk, dv rows have one writer). p are the joint
+// probabilities exp(logit - lse_t); with delta = <dout, out> per query, d logit = p (dp - delta).
+template <typename T>
+void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& lm, const bool* key_mask, const bool* query_mask, const at::Tensor& experts,
+                   const at::Tensor& routes, const at::Tensor& out, const at::Tensor& v_shared,
+                   const at::Tensor& lse_a, const at::Tensor& lse_t, double scale_, double landmark_scale_,
+                   at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dl) {
+  const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), Nk = k.size(2), m = lm.size(2), G = H / Hkv, X = B * H;
+  const int64_t topk = experts.size(3), s = routes.size(3);
+  const T scale = static_cast<T>(scale_), lscale = static_cast<T>(landmark_scale_);
+  const T *dO = dout.data_ptr<T>(), *Q = q.data_ptr<T>(), *K = k.data_ptr<T>(), *Vv = v.data_ptr<T>();
+  const T *L = lm.data_ptr<T>(), *O = out.data_ptr<T>(), *VS = v_shared.data_ptr<T>();
+  const T *LA = lse_a.data_ptr<T>(), *LT = lse_t.data_ptr<T>();
+  const int64_t *E = experts.data_ptr<int64_t>(), *R = routes.data_ptr<int64_t>();
+  T *dQ = dq.data_ptr<T>(), *dK = dk.data_ptr<T>(), *dV = dv.data_ptr<T>(), *dL = dl.data_ptr<T>();
+  const auto kv_offset = [&](int64_t x) { return ((x / H) * Hkv + (x % H) / G) * Nk * D; };
+
+  at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
+    const SingleThreadedBlas blas;
+    const int64_t nbuf = std::max({kQueryBlock, kKeyBlock, topk});
+    std::vector<T> delta(Nq), dvs(m * D), rowdot(m), P(nbuf * std::max(m, topk)), dP(nbuf * std::max(m, topk));
+    std::vector<T> Qb(kQueryBlock * D), dOb(kQueryBlock * D), dQb(kQueryBlock * D), Ke(topk * D), Ve(topk * D),
+        dKe(topk * D), dVe(topk * D);
+    std::vector<int64_t> start(m + 1), members(Nq * s);
+    for (int64_t x = begin; x < end; ++x) {
+      const int64_t b = x / H;
+      const bool* qm = query_mask ? query_mask + b * Nq : nullptr;
+      const bool* km = key_mask ? key_mask + b * Nk : nullptr;
+      const int64_t kk = key_mask ? std::min<int64_t>(topk, std::count(km, km + Nk, true)) : topk;
+      const T *Qx = Q + x * Nq * D, *dOx = dO + x * Nq * D, *Ox = O + x * Nq * D, *Lx = L + x * m * D;
+      const T *VSx = VS + x * m * D, *Kx = K + kv_offset(x), *Vx = Vv + kv_offset(x), *LTx = LT + x * Nq;
+      T *dQx = dQ + x * Nq * D, *dKx = dK + x * Nk * D, *dVx = dV + x * Nk * D, *dLx = dL + x * m * D;
+      for (int64_t t = 0; t < Nq; ++t)
+        delta[t] = (qm && !qm[t]) ? T(0) : at::vec::map2_reduce_all<T>(
+            [](Vectorized<T> a, Vectorized<T> c) { return a * c; }, [](Vectorized<T> a, Vectorized<T> c) { return a + c; },
+            dOx + t * D, Ox + t * D, D);
+      std::fill(dvs.begin(), dvs.end(), T(0));
+
+      // Shared expert: logits ls * q.q~, values v~.
+      for (int64_t t0 = 0; t0 < Nq; t0 += kQueryBlock) {
+        const int64_t nq = std::min(kQueryBlock, Nq - t0);
+        gemm<T>(false, true, nq, m, D, T(1), Qx + t0 * D, D, Lx, D, T(0), P.data(), m);
+        gemm<T>(false, true, nq, m, D, T(1), dOx + t0 * D, D, VSx, D, T(0), dP.data(), m);
+        for (int64_t i = 0; i < nq; ++i) {
+          T *p = P.data() + i * m, *dp = dP.data() + i * m;
+          if (qm && !qm[t0 + i]) {
+            std::fill(p, p + m, T(0));
+            std::fill(dp, dp + m, T(0));
+            continue;
+          }
+          exp_sum(p, m, lscale, LTx[t0 + i]);
+          for (int64_t e = 0; e < m; ++e) dp[e] = lscale * p[e] * (dp[e] - delta[t0 + i]);
+        }
+        gemm<T>(false, false, nq, D, m, T(1), dP.data(), m, Lx, D, T(0), dQx + t0 * D, D);
+        gemm<T>(true, false, m, D, nq, T(1), dP.data(), m, Qx + t0 * D, D, T(1), dLx, D);
+        gemm<T>(true, false, m, D, nq, T(1), P.data(), m, dOx + t0 * D, D, T(1), dvs.data(), D);
+      }
+
+      // Routed experts: queries grouped by expert, as in the forward.
+      std::fill(start.begin(), start.end(), 0);
+      const int64_t* rx = R + x * Nq * s;
+      for (int64_t t = 0; t < Nq; ++t)
+        if (!qm || qm[t])
+          for (int64_t j = 0; j < s; ++j) ++start[rx[t * s + j] + 1];
+      for (int64_t e = 0; e < m; ++e) start[e + 1] += start[e];
+      std::vector<int64_t> fill(start.begin(), start.end() - 1);
+      for (int64_t t = 0; t < Nq; ++t)
+        if (!qm || qm[t])
+          for (int64_t j = 0; j < s; ++j) members[fill[rx[t * s + j]]++] = t;
+      for (int64_t e = 0; e < m; ++e) {
+        const int64_t n_e = start[e + 1] - start[e];
+        if (n_e == 0) continue;
+        const int64_t* keys = E + (x * m + e) * topk;
+        for (int64_t i = 0; i < kk; ++i) {
+          std::copy(Kx + keys[i] * D, Kx + (keys[i] + 1) * D, Ke.data() + i * D);
+          std::copy(Vx + keys[i] * D, Vx + (keys[i] + 1) * D, Ve.data() + i * D);
+        }
+        std::fill(dKe.begin(), dKe.end(), T(0));
+        std::fill(dVe.begin(), dVe.end(), T(0));
+        const int64_t* mem = members.data() + start[e];
+        for (int64_t i0 = 0; i0 < n_e; i0 += kQueryBlock) {
+          const int64_t nb = std::min(kQueryBlock, n_e - i0);
+          for (int64_t i = 0; i < nb; ++i) {
+            std::copy(Qx + mem[i0 + i] * D, Qx + (mem[i0 + i] + 1) * D, Qb.data() + i * D);
+            std::copy(dOx + mem[i0 + i] * D, dOx + (mem[i0 + i] + 1) * D, dOb.data() + i * D);
+          }
+          gemm<T>(false, true, nb, kk, D, T(1), Qb.data(), D, Ke.data(), D, T(0), P.data(), kk);
+          gemm<T>(false, true, nb, kk, D, T(1), dOb.data(), D, Ve.data(), D, T(0), dP.data(), kk);
+          for (int64_t i = 0; i < nb; ++i) {
+            T *p = P.data() + i * kk, *dp = dP.data() + i * kk;
+            const int64_t t = mem[i0 + i];
+            exp_sum(p, kk, scale, LTx[t]);
+            for (int64_t j = 0; j < kk; ++j) dp[j] = scale * p[j] * (dp[j] - delta[t]);
+          }
+          gemm<T>(false, false, nb, D, kk, T(1), dP.data(), kk, Ke.data(), D, T(0), dQb.data(), D);
+          for (int64_t i = 0; i < nb; ++i) {
+            T* dqt = dQx + mem[i0 + i] * D;
+            const T* g = dQb.data() + i * D;
+            for (int64_t d = 0; d < D; ++d) dqt[d] += g[d];
+          }
+          gemm<T>(true, false, kk, D, nb, T(1), dP.data(), kk, Qb.data(), D, T(1), dKe.data(), D);
+          gemm<T>(true, false, kk, D, nb, T(1), P.data(), kk, dOb.data(), D, T(1), dVe.data(), D);
+        }
+        for (int64_t i = 0; i < kk; ++i)
+          for (int64_t d = 0; d < D; ++d) {
+            dKx[keys[i] * D + d] += dKe[i * D + d];
+            dVx[keys[i] * D + d] += dVe[i * D + d];
+          }
+      }
+
+      // Shared values v~ = softmax(s0 A) V, by key blocks: P_A recomputed from its log-sum-exp.
+      for (int64_t i = 0; i < m; ++i)
+        rowdot[i] = at::vec::map2_reduce_all<T>(
+            [](Vectorized<T> a, Vectorized<T> c) { return a * c; }, [](Vectorized<T> a, Vectorized<T> c) { return a + c; },
+            dvs.data() + i * D, VSx + i * D, D);
+      for (int64_t j0 = 0; j0 < Nk; j0 += kKeyBlock) {
+        const int64_t nb = std::min(kKeyBlock, Nk - j0);
+        gemm<T>(false, true, m, nb, D, T(1), Lx, D, Kx + j0 * D, D, T(0), P.data(), nb);
+        gemm<T>(false, true, m, nb, D, T(1), dvs.data(), D, Vx + j0 * D, D, T(0), dP.data(), nb);
+        for (int64_t i = 0; i < m; ++i) {
+          T *p = P.data() + i * nb, *dp = dP.data() + i * nb;
+          exp_sum(p, nb, scale, LA[x * m + i]);
+          for (int64_t j = 0; j < nb; ++j) {
+            if (km && !km[j0 + j]) p[j] = T(0);
+            dp[j] = scale * p[j] * (dp[j] - rowdot[i]);
+          }
+        }
+        gemm<T>(true, false, nb, D, m, T(1), P.data(), nb, dvs.data(), D, T(1), dVx + j0 * D, D);
+        gemm<T>(false, false, m, D, nb, T(1), dP.data(), nb, Kx + j0 * D, D, T(1), dLx, D);
+        gemm<T>(true, false, nb, D, m, T(1), dP.data(), nb, Lx, D, T(1), dKx + j0 * D, D);
+      }
+    }
+  });
+}
+
+const bool* check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& landmarks,
+                         const std::optional<at::Tensor>& key_mask, bool self_attention) {
   for (const auto* t : {&q, &k, &v, &landmarks}) {
-    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->dim() == 4, "mita fused: q, k, v, landmarks must be contiguous 4-D CPU tensors");
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->dim() == 4,
+                "mita fused: q, k, v, landmarks must be contiguous 4-D CPU tensors");
     TORCH_CHECK(t->scalar_type() == q.scalar_type(), "mita fused: q, k, v, landmarks must share one dtype");
   }
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, "mita fused: float32 or float64 only");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && H % k.size(1) == 0 && v.sizes() == k.sizes(),
+              "mita fused: bad k, v shapes");
+  TORCH_CHECK(landmarks.size(0) == B && landmarks.size(1) == H && landmarks.size(3) == D,
+              "mita fused: bad landmarks shape");
+  if (!key_mask.has_value()) return nullptr;
+  TORCH_CHECK(key_mask->scalar_type() == at::kBool && key_mask->is_contiguous() && key_mask->dim() == 2 &&
+                  key_mask->size(0) == B && key_mask->size(1) == k.size(2),
+              "mita fused: key_mask must be a contiguous (B, Nk) bool tensor");
+  TORCH_CHECK(!self_attention || q.size(2) == k.size(2), "mita fused: a query mask needs Nq == Nk");
+  return key_mask->data_ptr<bool>();
+}
+
+// Returns out, experts, routes, and for the backward: v~ (B, H, m, D), the log-sum-exps of
+// s0*A per landmark (B, H, m) and of each query's joint softmax (B, H, Nq).
+std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& landmarks, const std::optional<at::Tensor>& key_mask,
+                                bool self_attention, int64_t topk, int64_t num_routed, double scale,
+                                double landmark_scale) {
+  const bool* km = check_inputs(q, k, v, landmarks, key_mask, self_attention);
   const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3), m = landmarks.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(3) == D && H % k.size(1) == 0 && v.sizes() == k.sizes(), "mita fused: bad k, v shapes");
-  TORCH_CHECK(landmarks.size(0) == B && landmarks.size(1) == H && landmarks.size(3) == D, "mita fused: bad landmarks shape");
-  TORCH_CHECK(topk >= 1 && topk <= k.size(2) && num_routed >= 1 && num_routed <= m, "mita fused: bad topk or num_routed");
-  const bool* km = nullptr;
-  if (key_mask.has_value()) {
-    TORCH_CHECK(key_mask->scalar_type() == at::kBool && key_mask->is_contiguous() && key_mask->dim() == 2 &&
-                    key_mask->size(0) == B && key_mask->size(1) == k.size(2),
-                "mita fused: key_mask must be a contiguous (B, Nk) bool tensor");
-    km = key_mask->data_ptr<bool>();
-  }
-  TORCH_CHECK(!self_attention || km == nullptr || Nq == k.size(2), "mita fused: a query mask needs Nq == Nk");
-  at::Tensor out = at::empty_like(q);
-  at::Tensor experts = at::empty({B, H, m, topk}, q.options().dtype(at::kLong));
-  at::Tensor routes = at::empty({B, H, Nq, num_routed}, q.options().dtype(at::kLong));
+  TORCH_CHECK(topk >= 1 && topk <= k.size(2) && num_routed >= 1 && num_routed <= m,
+              "mita fused: bad topk or num_routed");
+  const auto opts = q.options();
+  at::Tensor out = at::empty_like(q), v_shared = at::empty({B, H, m, D}, opts);
+  at::Tensor lse_a = at::empty({B, H, m}, opts), lse_t = at::empty({B, H, Nq}, opts);
+  at::Tensor experts = at::empty({B, H, m, topk}, opts.dtype(at::kLong));
+  at::Tensor routes = at::empty({B, H, Nq, num_routed}, opts.dtype(at::kLong));
   const bool* qm = self_attention ? km : nullptr;
-  if (q.scalar_type() == at::kFloat) {
-    forward_impl<float>(q, k, v, landmarks, km, qm, topk, num_routed, scale, landmark_scale, out, experts, routes);
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kDouble, "mita fused: float32 or float64 only");
-    forward_impl<double>(q, k, v, landmarks, km, qm, topk, num_routed, scale, landmark_scale, out, experts, routes);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mita_fused_forward", [&] {
+    forward_impl<scalar_t>(q, k, v, landmarks, km, qm, topk, num_routed, scale, landmark_scale, out, experts, routes,
+                           v_shared, lse_a, lse_t);
+  });
+  return {out, experts, routes, v_shared, lse_a, lse_t};
+}
+
+// Gradients of out with respect to q, k, v (padded keys' rows included, zero) and the landmarks.
+std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                 const at::Tensor& v, const at::Tensor& landmarks,
+                                 const std::optional<at::Tensor>& key_mask, bool self_attention,
+                                 const at::Tensor& experts, const at::Tensor& routes, const at::Tensor& out,
+                                 const at::Tensor& v_shared, const at::Tensor& lse_a, const at::Tensor& lse_t,
+                                 double scale, double landmark_scale) {
+  const bool* km = check_inputs(q, k, v, landmarks, key_mask, self_attention);
+  TORCH_CHECK(dout.sizes() == q.sizes() && dout.is_contiguous() && dout.scalar_type() == q.scalar_type(),
+              "mita fused: dout must be contiguous like q");
+  const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), Nk = k.size(2), D = q.size(3);
+  at::Tensor dq = at::empty_like(q), dl = at::zeros_like(landmarks);
+  at::Tensor dk = at::zeros({B, H, Nk, D}, q.options()), dv = at::zeros({B, H, Nk, D}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mita_fused_backward", [&] {
+    backward_impl<scalar_t>(dout, q, k, v, landmarks, km, self_attention ? km : nullptr, experts, routes, out,
+                            v_shared, lse_a, lse_t, scale, landmark_scale, dq, dk, dv, dl);
+  });
+  if (H != Hkv) {  // grouped-query heads: each kv head's gradient is the sum over its query heads
+    dk = dk.view({B, Hkv, H / Hkv, Nk, D}).sum(2);
+    dv = dv.view({B, Hkv, H / Hkv, Nk, D}).sum(2);
   }
-  return {out, experts, routes};
+  return {dq, dk, dv, dl};
 }
 
 }  // namespace
@@ -433,7 +611,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const at::Tensor& q, cons
 TORCH_LIBRARY(mita, m) {
   m.def(
       "fused_forward(Tensor q, Tensor k, Tensor v, Tensor landmarks, Tensor? key_mask, bool self_attention, "
-      "int topk, int num_routed, float scale, float landmark_scale) -> (Tensor, Tensor, Tensor)");
+      "int topk, int num_routed, float scale, float landmark_scale) -> Tensor[]");
+  m.def(
+      "fused_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor landmarks, Tensor? key_mask, "
+      "bool self_attention, Tensor experts, Tensor routes, Tensor out, Tensor v_shared, Tensor lse_a, "
+      "Tensor lse_t, float scale, float landmark_scale) -> Tensor[]");
 }
 
-TORCH_LIBRARY_IMPL(mita, CPU, m) { m.impl("fused_forward", &forward); }
+TORCH_LIBRARY_IMPL(mita, CPU, m) {
+  m.impl("fused_forward", &forward);
+  m.impl("fused_backward", &backward);
+}
