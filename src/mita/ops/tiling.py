@@ -31,6 +31,19 @@ def tile_rows(group: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, torch.T
     return slot, tile_group, T
 
 
+def zero_padding(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: MiTAConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zero the padded queries, keys and values: whatever a padded slot holds (NaN included)
+    must not reach a product."""
+    if cfg.key_mask is not None:
+        k = k.masked_fill(~cfg.key_mask[:, None, :, None], 0)
+        v = v.masked_fill(~cfg.key_mask[:, None, :, None], 0)
+    if cfg.query_mask is not None:
+        q = q.masked_fill(~cfg.query_mask[:, None, :, None], 0)
+    return q, k, v
+
+
 def zero_padded(out: torch.Tensor, cfg: MiTAConfig) -> torch.Tensor:
     """Output rows of padded queries (self-attention with a key padding mask) are zero."""
     return out if cfg.query_mask is None else out.masked_fill(~cfg.query_mask[:, None, :, None], 0)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..tiling import zero_padding
 from .config import MiTAConfig
 from .grouped import pool_landmarks
 
@@ -169,11 +170,7 @@ def mita_attention_fused(
         )
     if not available():
         raise RuntimeError("impl='fused': the fused CPU kernel is not available (see the warning above)")
-    if cfg.key_mask is not None:  # padded slots may hold anything: they must not reach a product
-        k = k.masked_fill(~cfg.key_mask[:, None, :, None], 0)
-        v = v.masked_fill(~cfg.key_mask[:, None, :, None], 0)
-    if cfg.query_mask is not None:
-        q = q.masked_fill(~cfg.query_mask[:, None, :, None], 0)
+    q, k, v = zero_padding(q, k, v, cfg)  # padded tokens take no part anywhere
     if landmarks is None:
         landmarks = pool_landmarks(q, cfg)
     key_mask = None if cfg.key_mask is None else cfg.key_mask.contiguous()

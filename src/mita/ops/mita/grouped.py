@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..tiling import tile_rows, zero_padded
+from ..tiling import tile_rows, zero_padded, zero_padding
 from .autograd import SoftmaxLSE, TileAttention
 from .config import MiTAConfig
 
@@ -74,11 +74,7 @@ def mita_attention_grouped(
     Hkv, Nk = k.shape[1], k.shape[2]
     G, m, kk, s = H // Hkv, cfg.m, cfg.topk, cfg.num_routed
     X = B * H
-    if cfg.key_mask is not None:
-        k = k.masked_fill(~cfg.key_mask[:, None, :, None], 0)
-        v = v.masked_fill(~cfg.key_mask[:, None, :, None], 0)
-    if cfg.query_mask is not None:
-        q = q.masked_fill(~cfg.query_mask[:, None, :, None], 0)
+    q, k, v = zero_padding(q, k, v, cfg)  # padded tokens take no part anywhere
     acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
 
     if landmarks is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..tiling import zero_padding
 from .config import MiTAConfig
 
 
@@ -49,11 +50,7 @@ def mita_attention_reference(
     B, H, Nq, D = q.shape
     k = k.repeat_interleave(H // k.shape[1], dim=1)  # grouped-query heads share kv heads
     v = v.repeat_interleave(H // v.shape[1], dim=1)
-    if cfg.key_mask is not None:  # padded tokens take no part anywhere
-        k = k.masked_fill(~cfg.key_mask[:, None, :, None], 0)
-        v = v.masked_fill(~cfg.key_mask[:, None, :, None], 0)
-    if cfg.query_mask is not None:
-        q = q.masked_fill(~cfg.query_mask[:, None, :, None], 0)
+    q, k, v = zero_padding(q, k, v, cfg)  # padded tokens take no part anywhere
     acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
 
     # 1. Landmarks Q~ (B, H, m, D).
