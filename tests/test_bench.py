@@ -306,7 +306,7 @@ def test_demo_checks_agreement_and_prints_the_table(capsys) -> None:
     assert main(["demo", "--lengths", "256", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "max abs error" in out and "| 256 | mita |" in out and "| 256 | sdpa |" in out
-    assert "Inference runs on the fused C++ kernel" in out
+    assert "MiTA on CPU runs on the fused C++ kernels" in out and "fused gradients" in out
 
 
 def test_demo_rejects_bad_lengths(capsys) -> None:
