@@ -144,3 +144,14 @@ def test_traces_under_torch_compile() -> None:
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     torch.compile(fn, backend="aot_eager")(*leaves).sum().backward()
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
+
+
+def test_backward_operator_rejects_bad_saved_tensors() -> None:
+    q, k, v, _ = Case(B=1, H=2, N=30, D=8, m=3, k=4).inputs(dtype=torch.float32)
+    landmarks = torch.randn(1, 2, 3, 8)
+    out, experts, routes, *saved = torch.ops.mita.fused_forward(q, k, v, landmarks, None, False, 4, 1, 0.3, 0.3)
+    args = [torch.randn_like(q), q, k, v, landmarks, None, False, experts, routes, out, *saved, 0.3, 0.3]
+    with pytest.raises(RuntimeError, match="routes out of range"):
+        torch.ops.mita.fused_backward(*args[:8], routes + 3, *args[9:])
+    with pytest.raises(RuntimeError, match="do not match"):
+        torch.ops.mita.fused_backward(*args[:9], out[:, :, :-1].contiguous(), *args[10:])

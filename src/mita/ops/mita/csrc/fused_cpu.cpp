@@ -590,9 +590,23 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
                                  const at::Tensor& v_shared, const at::Tensor& lse_a, const at::Tensor& lse_t,
                                  double scale, double landmark_scale) {
   const bool* km = check_inputs(q, k, v, landmarks, key_mask, self_attention);
-  TORCH_CHECK(dout.sizes() == q.sizes() && dout.is_contiguous() && dout.scalar_type() == q.scalar_type(),
-              "mita fused: dout must be contiguous like q");
   const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), Nk = k.size(2), D = q.size(3);
+  const int64_t Nq = q.size(2), m = landmarks.size(2);
+  for (const auto* t : {&dout, &out, &v_shared, &lse_a, &lse_t})
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == q.scalar_type(),
+                "mita fused: dout and the saved tensors must be contiguous and of q's dtype");
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes() && v_shared.sizes() == landmarks.sizes() &&
+                  lse_a.sizes() == at::IntArrayRef({B, H, m}) && lse_t.sizes() == at::IntArrayRef({B, H, Nq}),
+              "mita fused: dout, out, v_shared, lse_a, lse_t do not match q and the landmarks");
+  TORCH_CHECK(experts.scalar_type() == at::kLong && experts.is_contiguous() && experts.dim() == 4 &&
+                  experts.size(0) == B && experts.size(1) == H && experts.size(2) == m && experts.size(3) <= Nk &&
+                  routes.scalar_type() == at::kLong && routes.is_contiguous() && routes.dim() == 4 &&
+                  routes.size(0) == B && routes.size(1) == H && routes.size(2) == Nq && routes.size(3) <= m,
+              "mita fused: experts must be (B, H, m, k <= Nk) and routes (B, H, Nq, s <= m) int64");
+  TORCH_CHECK(experts.numel() == 0 || (experts.min().item<int64_t>() >= 0 && experts.max().item<int64_t>() < Nk),
+              "mita fused: expert key indices out of range");
+  TORCH_CHECK(routes.numel() == 0 || (routes.min().item<int64_t>() >= 0 && routes.max().item<int64_t>() < m),
+              "mita fused: routes out of range");
   at::Tensor dq = at::empty_like(q), dl = at::zeros_like(landmarks);
   at::Tensor dk = at::zeros({B, H, Nk, D}, q.options()), dv = at::zeros({B, H, Nk, D}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mita_fused_backward", [&] {
