@@ -177,6 +177,22 @@ struct TopK {
   }
 };
 
+// Counting sort of one head's (query, route) pairs by expert: members[start[e] .. start[e + 1])
+// holds t * s + j for each query t routed to expert e as its j-th route, in query order.
+// Padded queries take no part.
+void group_by_expert(const int64_t* routes, const bool* qm, int64_t Nq, int64_t s, int64_t m, int64_t* start,
+                     int64_t* members) {
+  std::fill(start, start + m + 1, 0);
+  for (int64_t t = 0; t < Nq; ++t)
+    if (!qm || qm[t])
+      for (int64_t j = 0; j < s; ++j) ++start[routes[t * s + j] + 1];
+  for (int64_t e = 0; e < m; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> fill(start, start + m);
+  for (int64_t t = 0; t < Nq; ++t)
+    if (!qm || qm[t])
+      for (int64_t j = 0; j < s; ++j) members[fill[routes[t * s + j]]++] = t * s + j;
+}
+
 constexpr int64_t kKeyBlock = 512, kQueryBlock = 256;  // measured best of 256-1024 / 64-512 at N = 16,384
 
 template <typename T>
@@ -304,24 +320,14 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   });
 
   // C: queries grouped by expert; each expert's keys attend its queries, merged into out.
-  at::Tensor count_t = at::zeros({X, m + 1}, opts.dtype(at::kLong));
+  at::Tensor count_t = at::empty({X, m + 1}, opts.dtype(at::kLong));
   at::Tensor members_t = at::empty({X, Nq * s}, opts.dtype(at::kLong));
   int64_t* start = count_t.data_ptr<int64_t>();
   int64_t* members = members_t.data_ptr<int64_t>();
   at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t x = begin; x < end; ++x) {
-      const bool* qm = query_mask ? query_mask + (x / H) * Nq : nullptr;
-      int64_t* st = start + x * (m + 1);
-      const int64_t* rx = R + x * Nq * s;
-      for (int64_t t = 0; t < Nq; ++t)
-        if (!qm || qm[t])
-          for (int64_t j = 0; j < s; ++j) ++st[rx[t * s + j] + 1];
-      for (int64_t e = 0; e < m; ++e) st[e + 1] += st[e];
-      std::vector<int64_t> fill(st, st + m);
-      for (int64_t t = 0; t < Nq; ++t)
-        if (!qm || qm[t])
-          for (int64_t j = 0; j < s; ++j) members[x * Nq * s + fill[rx[t * s + j]]++] = t * s + j;
-    }
+    for (int64_t x = begin; x < end; ++x)
+      group_by_expert(R + x * Nq * s, query_mask ? query_mask + (x / H) * Nq : nullptr, Nq, s, m,
+                      start + x * (m + 1), members + x * Nq * s);
   });
   at::Tensor routed_out, routed_lse;  // s > 1: each (query, route) result, merged after
   if (s > 1) {
@@ -461,17 +467,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         gemm<T>(true, false, m, D, nq, T(1), P.data(), m, dOx + t0 * D, D, T(1), dvs.data(), D);
       }
 
-      // Routed experts: queries grouped by expert, as in the forward.
-      std::fill(start.begin(), start.end(), 0);
-      const int64_t* rx = R + x * Nq * s;
-      for (int64_t t = 0; t < Nq; ++t)
-        if (!qm || qm[t])
-          for (int64_t j = 0; j < s; ++j) ++start[rx[t * s + j] + 1];
-      for (int64_t e = 0; e < m; ++e) start[e + 1] += start[e];
-      std::vector<int64_t> fill(start.begin(), start.end() - 1);
-      for (int64_t t = 0; t < Nq; ++t)
-        if (!qm || qm[t])
-          for (int64_t j = 0; j < s; ++j) members[fill[rx[t * s + j]]++] = t;
+      // Routed experts: queries grouped by expert, as in the forward (members hold t * s + j).
+      group_by_expert(R + x * Nq * s, qm, Nq, s, m, start.data(), members.data());
       for (int64_t e = 0; e < m; ++e) {
         const int64_t n_e = start[e + 1] - start[e];
         if (n_e == 0) continue;
@@ -486,20 +483,21 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         for (int64_t i0 = 0; i0 < n_e; i0 += kQueryBlock) {
           const int64_t nb = std::min(kQueryBlock, n_e - i0);
           for (int64_t i = 0; i < nb; ++i) {
-            std::copy(Qx + mem[i0 + i] * D, Qx + (mem[i0 + i] + 1) * D, Qb.data() + i * D);
-            std::copy(dOx + mem[i0 + i] * D, dOx + (mem[i0 + i] + 1) * D, dOb.data() + i * D);
+            const int64_t t = mem[i0 + i] / s;
+            std::copy(Qx + t * D, Qx + (t + 1) * D, Qb.data() + i * D);
+            std::copy(dOx + t * D, dOx + (t + 1) * D, dOb.data() + i * D);
           }
           gemm<T>(false, true, nb, kk, D, T(1), Qb.data(), D, Ke.data(), D, T(0), P.data(), kk);
           gemm<T>(false, true, nb, kk, D, T(1), dOb.data(), D, Ve.data(), D, T(0), dP.data(), kk);
           for (int64_t i = 0; i < nb; ++i) {
             T *p = P.data() + i * kk, *dp = dP.data() + i * kk;
-            const int64_t t = mem[i0 + i];
+            const int64_t t = mem[i0 + i] / s;
             exp_sum(p, kk, scale, LTx[t]);
             for (int64_t j = 0; j < kk; ++j) dp[j] = scale * p[j] * (dp[j] - delta[t]);
           }
           gemm<T>(false, false, nb, D, kk, T(1), dP.data(), kk, Ke.data(), D, T(0), dQb.data(), D);
           for (int64_t i = 0; i < nb; ++i) {
-            T* dqt = dQx + mem[i0 + i] * D;
+            T* dqt = dQx + (mem[i0 + i] / s) * D;
             const T* g = dQb.data() + i * D;
             for (int64_t d = 0; d < D; ++d) dqt[d] += g[d];
           }
