@@ -129,7 +129,7 @@ def test_fast_paths_match_reference_float32(case: Case, impl: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("impl", ["grouped", "reference"])
+@pytest.mark.parametrize("impl", ["fused", "grouped", "reference"])
 def test_half_precision_close_to_float64(dtype: torch.dtype, impl: str) -> None:
     case = Case(N=120, D=32, m=8, k=16, s=2, mask=True)
     q, k, v, mask = case.inputs()

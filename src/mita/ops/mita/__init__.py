@@ -69,7 +69,8 @@ def mita_attention(
         branches: "both" (MiTA), or the paper's ablations "shared" (shared expert only) and
             "routed" (routed experts only, no shared expert).
         return_routing: also return a :class:`MiTARouting` for analysis.
-        impl: "fused" (C++ kernels, forward and backward: CPU, float32/64, no dropout, both branches),
+        impl: "fused" (C++ kernels, forward and backward: CPU, no dropout, both branches; half
+            precision computed in float32),
             "grouped" (pure PyTorch, linear memory, any device, trainable), "reference" (the
             spec's steps, quadratic memory), or "auto": "fused" where it applies, else "grouped".
     """
@@ -84,7 +85,7 @@ def mita_attention(
         landmark_scale=landmark_scale, landmarks=landmarks, branches=branches,
     )  # fmt: skip
     if impl == "auto":
-        fast = fused.supports(q, k, v, landmarks, cfg=cfg, dropout_p=dropout_p) and fused.available()
+        fast = fused.supports(q, cfg, dropout_p) and fused.available()
         impl = "fused" if fast else "grouped"
     out, routing = IMPLEMENTATIONS[impl](q, k, v, cfg, landmarks=landmarks, dropout_p=dropout_p)
     return (out, MiTARouting(*routing)) if return_routing else out

@@ -142,16 +142,9 @@ class _FusedMiTA(torch.autograd.Function):
         return *grads, None, None, None, None, None, None
 
 
-def supports(*tensors: torch.Tensor | None, cfg: MiTAConfig, dropout_p: float) -> bool:
-    """Whether a call on q, k, v (and landmarks) can take the fused kernel: CPU, float32/64,
-    no dropout, both branches."""
-    q = tensors[0]
-    return (
-        q.device.type == "cpu"
-        and q.dtype in (torch.float32, torch.float64)
-        and dropout_p == 0
-        and (cfg.branches == "both")
-    )
+def supports(q: torch.Tensor, cfg: MiTAConfig, dropout_p: float) -> bool:
+    """Whether a call can take the fused kernels: CPU, no dropout, both branches."""
+    return q.device.type == "cpu" and dropout_p == 0 and cfg.branches == "both"
 
 
 def mita_attention_fused(
@@ -162,20 +155,22 @@ def mita_attention_fused(
     landmarks: torch.Tensor | None = None,
     dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """MiTA by the fused CPU kernel, forward and backward; returns (out, (landmarks, experts, routes))."""
-    if not supports(q, k, v, landmarks, cfg=cfg, dropout_p=dropout_p):
-        raise ValueError(
-            "impl='fused' needs CPU float32/float64 tensors, dropout_p=0 and branches='both'; "
-            "use impl='grouped' otherwise"
-        )
+    """MiTA by the fused CPU kernels, forward and backward; returns (out, (landmarks, experts, routes)).
+
+    bfloat16 and float16 are computed in float32 (the kernels' products and softmaxes) and the
+    output cast back, which is at least as precise as the grouped path's half-precision products.
+    """
+    if not supports(q, cfg, dropout_p):
+        raise ValueError("impl='fused' needs CPU tensors, dropout_p=0 and branches='both'; otherwise use 'grouped'")
     if not available():
         raise RuntimeError("impl='fused': the fused CPU kernel is not available (see the warning above)")
     q, k, v = zero_padding(q, k, v, cfg)  # padded tokens take no part anywhere
     if landmarks is None:
         landmarks = pool_landmarks(q, cfg)
+    compute = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
     key_mask = None if cfg.key_mask is None else cfg.key_mask.contiguous()
     out, experts, routes = _FusedMiTA.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), landmarks.contiguous(), key_mask,
+        *(t.to(compute).contiguous() for t in (q, k, v, landmarks)), key_mask,
         cfg.query_mask is not None, cfg.topk, cfg.num_routed, cfg.scale, cfg.landmark_scale,
     )  # fmt: skip
-    return out, (landmarks, experts, routes)
+    return out.to(q.dtype), (landmarks, experts, routes)
