@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from timm.models.vision_transformer import Attention
 
 from mita import MiTAAttention, mita_attention
 from mita.ops.mita import official_landmarks
+
+Attention = pytest.importorskip("timm.models.vision_transformer").Attention
 
 
 def _heads(layer: nn.Module, x: torch.Tensor):
@@ -17,9 +18,15 @@ def _heads(layer: nn.Module, x: torch.Tensor):
     return qkv.unbind(0)
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"qkv_bias": True, "qk_norm": True, "norm_layer": nn.LayerNorm},
-                                    {"proj_bias": False, "scale_norm": True, "norm_layer": nn.LayerNorm}],
-                         ids=["plain", "qkv_bias-qk_norm", "scale_norm"])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"qkv_bias": True, "qk_norm": True, "norm_layer": nn.LayerNorm},
+        {"proj_bias": False, "scale_norm": True, "norm_layer": nn.LayerNorm},
+    ],
+    ids=["plain", "qkv_bias-qk_norm", "scale_norm"],
+)
 def test_state_dict_moves_both_ways(kwargs: dict) -> None:
     timm_attn = Attention(64, num_heads=4, **kwargs)
     layer = MiTAAttention(64, num_heads=4, num_landmarks=4, topk=8, **kwargs)
@@ -31,8 +38,9 @@ def test_state_dict_moves_both_ways(kwargs: dict) -> None:
 
 
 def test_layer_is_the_op_on_its_projections() -> None:
-    layer = MiTAAttention(48, num_heads=3, num_landmarks=(2, 2), topk=6, num_routed=2, grid="auto",
-                          num_prefix_tokens=1).double()  # fmt: skip
+    layer = MiTAAttention(
+        48, num_heads=3, num_landmarks=(2, 2), topk=6, num_routed=2, grid="auto", num_prefix_tokens=1
+    ).double()
     x = torch.randn(2, 17, 48, dtype=torch.float64)
     q, k, v = _heads(layer, x)
     o = mita_attention(q, k, v, num_landmarks=(2, 2), topk=6, num_routed=2, grid=(4, 4), num_prefix_tokens=1)

@@ -6,9 +6,9 @@
 """
 
 from . import attention
+from .integrations.timm_hook import install as _install_timm_models
 from .layers import AttentionLayer, MiTAAttention
 from .ops.mita import MiTARouting, mita_attention
-from .vision.timm_hook import install as _install_timm_models
 
 __version__ = "0.1.0"
 __all__ = ["AttentionLayer", "MiTAAttention", "MiTARouting", "__version__", "attention", "convert", "mita_attention"]
@@ -19,7 +19,7 @@ _install_timm_models()  # the mita_deit_* names in timm's registry, once timm is
 def __getattr__(name: str):
     """``mita.convert`` (timm ViT attention swap) is imported on first use: it needs timm."""
     if name == "convert":
-        from .integrations.timm import convert
+        from .models.convert import convert
 
         return convert
     raise AttributeError(f"module 'mita' has no attribute {name!r}")

@@ -2,6 +2,7 @@
 
 from .agent import AgentAttention
 from .base import AttentionLayer
-from .mita import MiTAAttention
+from .mita import MiTAAttention, MiTAVisionAttention
+from .op import OpAttention
 
-__all__ = ["AgentAttention", "AttentionLayer", "MiTAAttention"]
+__all__ = ["AgentAttention", "AttentionLayer", "MiTAAttention", "MiTAVisionAttention", "OpAttention"]

@@ -15,8 +15,8 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
-from .base import AttentionLayer
-from .mita import MiTAAttention
+from ..ops.agent import agent_attention
+from .base import AttentionLayer, conv_values, depthwise_conv, resolve_grid
 
 
 def _bias(*shape: int, dd: dict) -> nn.Parameter:
@@ -83,14 +83,16 @@ class AgentAttention(AttentionLayer):
     ) -> None:
         super().__init__(dim, num_heads, *args, **kwargs)
         dd = {"device": kwargs.get("device"), "dtype": kwargs.get("dtype")}
-        if not (grid is None or grid == "auto" or (isinstance(grid, (tuple, list)) and len(grid) == 2)):
-            raise ValueError(f"grid must be None, 'auto' or a pair (gh, gw), got {grid!r}")
+        if not (grid is None or grid == "auto" or (isinstance(grid, (tuple, list)) and len(grid) in (2, 3))):
+            raise ValueError(f"grid must be None, 'auto', (gh, gw) or (gt, gh, gw), got {grid!r}")
         if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
             raise ValueError(f"num_prefix_tokens must be an int >= 0, got {num_prefix_tokens!r}")
         self.num_agents, self.grid, self.num_prefix_tokens = num_agents, grid, num_prefix_tokens
         self.agent_bias = None
         if agent_bias:
             n = num_agents if isinstance(num_agents, int) else math.prod(num_agents)
+            if isinstance(grid, (tuple, list)) and len(grid) == 3:
+                raise ValueError("agent_bias is defined on 1-D and 2-D layouts; a 3-D grid takes agent_bias=False")
             if isinstance(grid, (tuple, list)):
                 self.agent_bias = AgentBias(num_heads, n, tuple(grid), 0, num_prefix_tokens, dd)
             elif grid is None and isinstance(seq_len, int) and seq_len > num_prefix_tokens:
@@ -100,35 +102,32 @@ class AgentAttention(AttentionLayer):
                     "agent_bias needs a fixed token layout: grid=(gh, gw), or grid=None with seq_len=N "
                     f"(> num_prefix_tokens); got grid={grid!r}, seq_len={seq_len!r}"
                 )
-        conv = nn.Conv1d if grid is None else nn.Conv2d
-        self.dwc = conv(self.attn_dim, self.attn_dim, 3, padding=1, groups=self.attn_dim, **dd) if dwc else None
+        self.dwc = depthwise_conv(self.attn_dim, grid, dd) if dwc else None
 
     def extra_repr(self) -> str:
         return f"num_agents={self.num_agents}, grid={self.grid}, num_prefix_tokens={self.num_prefix_tokens}"
 
-    resolve_grid = MiTAAttention.resolve_grid  # same rule: None, (gh, gw), or a square of N - prefix
-
-    def _conv_values(self, v: torch.Tensor, key_padding_mask: torch.Tensor | None, grid) -> torch.Tensor:
-        """The depth-wise convolution of V over the tokens after the prefix; zero on the prefix."""
-        B, H, _, D = v.shape
-        if key_padding_mask is not None:
-            v = v.masked_fill(~key_padding_mask[:, None, :, None], 0)
-        x = v[:, :, self.num_prefix_tokens :].transpose(-1, -2).reshape(B, H * D, -1)
-        x = self.dwc(x if grid is None else x.unflatten(-1, grid)).reshape(B, H, D, -1).transpose(-1, -2)
-        return torch.cat([v.new_zeros(B, H, self.num_prefix_tokens, D), x], dim=2)
+    def resolve_grid(self, n: int) -> tuple[int, ...] | None:
+        """The grid for a sequence of n tokens ("auto": a square of n - num_prefix_tokens)."""
+        return resolve_grid(self.grid, n, self.num_prefix_tokens)
 
     def attend(self, q, k, v, key_padding_mask, is_causal):
-        from ..ops.agent import agent_attention  # here, not at the top: ops.agent imports this module
-
         grid = self.resolve_grid(q.shape[2])
         aggregate, broadcast = self.agent_bias(q.shape[2]) if self.agent_bias is not None else (None, None)
         out = agent_attention(
-            q, k, v, num_agents=self.num_agents, grid=grid, num_prefix_tokens=self.num_prefix_tokens,
-            key_padding_mask=key_padding_mask, dropout_p=self.dropout_p, aggregate_bias=aggregate,
+            q,
+            k,
+            v,
+            num_agents=self.num_agents,
+            grid=grid,
+            num_prefix_tokens=self.num_prefix_tokens,
+            key_padding_mask=key_padding_mask,
+            dropout_p=self.dropout_p,
+            aggregate_bias=aggregate,
             broadcast_bias=broadcast,
-        )  # fmt: skip
+        )
         if self.dwc is not None:
-            out = out + self._conv_values(v, key_padding_mask, grid)
+            out = out + conv_values(self.dwc, v, self.num_prefix_tokens, grid, key_padding_mask)
             if key_padding_mask is not None:
                 out = out.masked_fill(~key_padding_mask[:, None, :, None], 0)
         return out

@@ -7,8 +7,15 @@ Constructor arguments, parameter names (``qkv``, ``q_norm``, ``k_norm``, ``norm`
 
 from __future__ import annotations
 
+import math
+from typing import Literal
+
 import torch
 import torch.nn as nn
+
+from ..ops.checks import check_int
+
+GridOption = tuple[int, ...] | Literal["auto"] | None
 
 
 def padding_mask(attn_mask: torch.Tensor | None, B: int, N: int) -> torch.Tensor | None:
@@ -19,6 +26,55 @@ def padding_mask(attn_mask: torch.Tensor | None, B: int, N: int) -> torch.Tensor
         got = f"{attn_mask.dtype} {tuple(attn_mask.shape)}" if isinstance(attn_mask, torch.Tensor) else type(attn_mask)
         raise ValueError(f"attn_mask must be a bool padding mask of shape (B={B}, N={N}), True = real token; got {got}")
     return attn_mask
+
+
+def check_grid_option(grid: object) -> GridOption:
+    """A layer's ``grid``: None (1-D), "auto" (a square of the pooled tokens), (gh, gw) or (gt, gh, gw)."""
+    if grid is None or grid == "auto" or (isinstance(grid, (tuple, list)) and len(grid) in (2, 3)):
+        return grid if grid is None or grid == "auto" else tuple(grid)
+    raise ValueError(f"grid must be None, 'auto', (gh, gw) or (gt, gh, gw), got {grid!r}")
+
+
+def resolve_grid(grid: GridOption, n: int, num_prefix_tokens: int) -> tuple[int, ...] | None:
+    """The grid of a sequence of n tokens: ``grid`` itself, or for "auto" a square of n - num_prefix_tokens.
+
+    "auto" is for images; video layouts pass their (gt, gh, gw) grid explicitly.
+    """
+    if grid != "auto":
+        return None if grid is None else tuple(grid)
+    side = math.isqrt(max(n - num_prefix_tokens, 0))
+    if side * side != n - num_prefix_tokens or side == 0:
+        raise ValueError(
+            f"grid='auto' needs a square number of pooled tokens, got N - num_prefix_tokens = "
+            f"{n} - {num_prefix_tokens}; pass grid=(gh, gw), or (gt, gh, gw) for video"
+        )
+    return side, side
+
+
+def depthwise_conv(channels: int, grid: GridOption, dd: dict) -> nn.Module:
+    """A depth-wise convolution, kernel 3 in every dimension of the layout (1-D, 2-D for "auto", or the grid's)."""
+    dims = 1 if grid is None else 2 if grid == "auto" else len(grid)
+    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
+    return conv(channels, channels, 3, padding=1, groups=channels, **dd)
+
+
+def conv_values(
+    conv: nn.Module,
+    v: torch.Tensor,
+    num_prefix_tokens: int,
+    grid: tuple[int, ...] | None,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The depth-wise convolution of V (B, H, N, D) over the tokens after the prefix; zero on the prefix.
+
+    Padded tokens are zeroed first. Returns (B, H, N, D).
+    """
+    B, H, _, D = v.shape
+    if key_padding_mask is not None:
+        v = v.masked_fill(~key_padding_mask[:, None, :, None], 0)
+    x = v[:, :, num_prefix_tokens:].transpose(-1, -2).reshape(B, H * D, -1)
+    x = conv(x if grid is None else x.unflatten(-1, grid)).reshape(B, H, D, -1).transpose(-1, -2)
+    return torch.cat([v.new_zeros(B, H, num_prefix_tokens, D), x], dim=2)
 
 
 class AttentionLayer(nn.Module):
@@ -45,6 +101,9 @@ class AttentionLayer(nn.Module):
     ) -> None:
         super().__init__()
         dd = {"device": device, "dtype": dtype}
+        dim, num_heads = check_int("dim", dim), check_int("num_heads", num_heads)
+        if attn_head_dim is not None:
+            attn_head_dim = check_int("attn_head_dim", attn_head_dim)
         if attn_head_dim is None and dim % num_heads:
             raise ValueError(f"dim={dim} must be divisible by num_heads={num_heads} (or pass attn_head_dim)")
         if (qk_norm or scale_norm) and norm_layer is None:
@@ -73,6 +132,10 @@ class AttentionLayer(nn.Module):
         return self.attn_drop.p if self.training else 0.0
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+        """Self-attention of x (B, N, C); ``attn_mask`` bool (B, N), True = real token. Returns (B, N, dim_out)."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{type(self).__name__} takes x of shape (B, N, C), got {got}; add a batch dimension")
         B, N, _ = x.shape
         mask = padding_mask(attn_mask, B, N)
         if is_causal and not self.supports_causal:

@@ -1,46 +1,70 @@
-"""``MiTAAttention``: timm's ``Attention`` with MiTA in place of softmax attention."""
+"""``MiTAAttention``: timm's ``Attention`` with MiTA in place of softmax attention, and
+``MiTAVisionAttention``, the same with the extras of the authors' MiTA-DeiT models."""
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
-from ..ops.mita import MiTARouting, mita_attention, official_landmarks
-from .base import AttentionLayer
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..ops.mita import IMPLEMENTATIONS, MiTARouting, mita_attention, official_landmarks
+from .base import AttentionLayer, GridOption, check_grid_option, conv_values, depthwise_conv, resolve_grid
 
 
 class MiTAAttention(AttentionLayer):
     """Multi-head self-attention with MiTA; a drop-in for ``timm.models.vision_transformer.Attention``.
 
     ``num_landmarks``, ``topk``, ``num_routed`` are plain attributes: change them on a
-    trained module to run it with other values. ``grid`` is None (1-D pooling), (gh, gw),
-    or "auto" (a square grid from the token count minus the prefix). ``compat="official"``
-    reproduces the authors' DeiT code (spec section 2). With ``record_routing = True`` the
-    last call's landmarks, experts and routes are kept in ``.routing`` for analysis.
+    trained module to run it with other values. With ``record_routing = True`` the last
+    call's landmarks, experts and routes are kept in ``.routing`` for analysis.
+
+    Args:
+        dim (int): token width C of the input (B, N, C).
+        num_heads (int): attention heads. Default: 8.
+        num_landmarks (int | tuple): m, as in :func:`mita.mita_attention`. Default: 25.
+        topk (int): keys per expert. Default: 25.
+        num_routed (int): experts per query. Default: 1.
+        grid (tuple | str | None): None (1-D pooling), (gh, gw), (gt, gh, gw) (video), or
+            "auto" (a square grid of N - num_prefix_tokens: images). Default: None.
+        num_prefix_tokens (int): leading tokens (CLS, registers) that are not pooled. Default: 0.
+        compat (str | None): "official" reproduces the authors' DeiT code (spec section 2). Default: None.
+        branches (str): "both", or the ablations "shared" / "routed". Default: "both".
+        impl (str): "auto", "fused", "grouped" or "reference" (see :func:`mita.mita_attention`). Default: "auto".
+        *args, **kwargs: timm's ``Attention`` arguments (``qkv_bias``, ``attn_drop``, ...).
     """
 
     def __init__(
         self,
         dim: int,
         num_heads: int = 8,
-        *args,
-        num_landmarks: int | tuple[int, int] = 25,
+        *args: Any,
+        num_landmarks: int | tuple[int, ...] = 25,
         topk: int = 25,
         num_routed: int = 1,
-        grid: tuple[int, int] | Literal["auto"] | None = None,
+        grid: GridOption = None,
         num_prefix_tokens: int = 0,
         compat: Literal["official"] | None = None,
         branches: Literal["both", "shared", "routed"] = "both",
         impl: str = "auto",
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
         super().__init__(dim, num_heads, *args, **kwargs)
         if compat not in (None, "official"):
             raise ValueError(f"compat must be None or 'official', got {compat!r}")
-        if not (grid is None or grid == "auto" or (isinstance(grid, (tuple, list)) and len(grid) == 2)):
-            raise ValueError(f"grid must be None, 'auto' or a pair (gh, gw), got {grid!r}")
+        if impl not in ("auto", *IMPLEMENTATIONS):
+            raise ValueError(f"impl must be one of {['auto', *IMPLEMENTATIONS]}, got {impl!r}")
+        if branches not in ("both", "shared", "routed"):
+            raise ValueError(f"branches must be 'both', 'shared' or 'routed', got {branches!r}")
         self.num_landmarks, self.topk, self.num_routed = num_landmarks, topk, num_routed
-        self.grid, self.num_prefix_tokens, self.compat, self.impl = grid, num_prefix_tokens, compat, impl
+        self.grid, self.num_prefix_tokens, self.compat, self.impl = (
+            check_grid_option(grid),
+            num_prefix_tokens,
+            compat,
+            impl,
+        )
         self.branches = branches  # "both", or an ablation: "shared" / "routed"
         self.record_routing = False  # set True to keep the last call's MiTARouting in .routing
         self.routing: MiTARouting | None = None
@@ -51,23 +75,20 @@ class MiTAAttention(AttentionLayer):
             f"grid={self.grid}, num_prefix_tokens={self.num_prefix_tokens}, compat={self.compat}"
         )
 
-    def resolve_grid(self, n: int) -> tuple[int, int] | None:
-        """The 2-D grid for a sequence of n tokens ("auto": square of n - prefix)."""
-        if self.grid != "auto":
-            return None if self.grid is None else tuple(self.grid)
-        side = math.isqrt(n - self.num_prefix_tokens)
-        if side * side != n - self.num_prefix_tokens:
-            raise ValueError(
-                f"grid='auto' needs a square number of pooled tokens, got N - num_prefix_tokens = "
-                f"{n} - {self.num_prefix_tokens}; pass grid=(gh, gw)"
-            )
-        return side, side
+    def resolve_grid(self, n: int) -> tuple[int, ...] | None:
+        """The grid for a sequence of n tokens ("auto": a square of n - num_prefix_tokens)."""
+        return resolve_grid(self.grid, n, self.num_prefix_tokens)
 
     def attend(self, q, k, v, key_padding_mask, is_causal):
         kwargs = dict(
-            num_landmarks=self.num_landmarks, topk=self.topk, num_routed=self.num_routed,
-            key_padding_mask=key_padding_mask, dropout_p=self.dropout_p, branches=self.branches, impl=self.impl,
-        )  # fmt: skip
+            num_landmarks=self.num_landmarks,
+            topk=self.topk,
+            num_routed=self.num_routed,
+            key_padding_mask=key_padding_mask,
+            dropout_p=self.dropout_p,
+            branches=self.branches,
+            impl=self.impl,
+        )
         if self.compat == "official":
             kwargs.update(landmarks=official_landmarks(q, self.num_landmarks), landmark_scale=self.head_dim**-1.0)
         else:
@@ -76,3 +97,57 @@ class MiTAAttention(AttentionLayer):
             return mita_attention(q, k, v, **kwargs)
         out, self.routing = mita_attention(q, k, v, **kwargs, return_routing=True)
         return out
+
+
+class MiTAVisionAttention(MiTAAttention):
+    """:class:`MiTAAttention` with the two extras of the authors' MiTA-DeiT models.
+
+    Args:
+        dwc (bool): add a depth-wise convolution of V over the patch grid (3x3, or 3x3x3 on a
+            3-D grid) to the attention output (zero on the prefix tokens); it restores the
+            locality that sparse routing loses. Needs a grid. Default: False.
+        out_gate (bool): multiply ``SiLU(x W_g)`` into the attention output before ``proj``.
+            The authors' gated checkpoints fuse ``qkv`` and ``W_g`` into one ``qkvg``
+            projection; such a state dict is split on load. Default: False.
+        *args, **kwargs: :class:`MiTAAttention`'s.
+    """
+
+    def __init__(self, dim: int, num_heads: int = 8, *args: Any, dwc: bool = False, out_gate: bool = False, **kwargs):
+        super().__init__(dim, num_heads, *args, **kwargs)
+        if dwc and self.grid is None:
+            raise ValueError("dwc=True needs a patch grid: pass grid='auto' or grid=(gh, gw)")
+        dd = {"device": self.qkv.weight.device, "dtype": self.qkv.weight.dtype}
+        c = self.attn_dim
+        self.dwc = depthwise_conv(c, self.grid, dd) if dwc else None
+        self.out_gate = nn.Linear(dim, c, bias=self.qkv.bias is not None, **dd) if out_gate else None
+        if self.out_gate is not None:  # timm's ViT init for linear layers
+            nn.init.trunc_normal_(self.out_gate.weight, std=0.02)
+            if self.out_gate.bias is not None:
+                nn.init.zeros_(self.out_gate.bias)
+        self._gate_value: torch.Tensor | None = None  # SiLU(x W_g) of the running forward
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+        self._gate_value = F.silu(self.out_gate(x)) if self.out_gate is not None else None
+        try:
+            return super().forward(x, attn_mask, is_causal)
+        finally:
+            self._gate_value = None
+
+    def attend(self, q, k, v, key_padding_mask, is_causal):
+        out = super().attend(q, k, v, key_padding_mask, is_causal)
+        B, H, N, D = v.shape
+        if self.dwc is not None:
+            grid = self.resolve_grid(N)
+            out = out + conv_values(self.dwc, v, N - math.prod(grid), grid, key_padding_mask)
+        if self._gate_value is not None:
+            out = out * self._gate_value.reshape(B, N, H, D).transpose(1, 2)
+        return out
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """Split the authors' fused ``qkvg`` projection into ``qkv`` and ``out_gate``."""
+        for kind in ("weight", "bias"):
+            fused = state_dict.pop(f"{prefix}qkvg.{kind}", None)
+            if fused is not None:
+                c3 = fused.shape[0] // 4 * 3
+                state_dict[f"{prefix}qkv.{kind}"], state_dict[f"{prefix}out_gate.{kind}"] = fused[:c3], fused[c3:]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

@@ -14,29 +14,29 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..attention import Method, Taxonomy, register
-from ..layers.agent import AgentAttention
-from .common import check_inputs, real_keys, softmax_allowed, zero_padded
-from .mita.grouped import pool_landmarks
-from .mita.naive import pool_landmarks_reference
+from .checks import check_attention
+from .common import real_keys, softmax_allowed, zero_padded
+from .pooling import check_pooling, pool, pool_reference
 
 
-def _prepare(q, k, v, num_agents, grid, num_prefix_tokens, key_padding_mask, dropout_p, scale, agents, biases, pool):
-    """Validated config and the agents (given, or pooled by ``pool``).
+def _prepare(q, k, v, num_agents, grid, num_prefix_tokens, key_padding_mask, dropout_p, scale, agents, biases, pool_fn):
+    """Checked arguments and the agents (given, or pooled by ``pool_fn``).
 
-    MiTA's checks and pooling speak of landmarks; their errors are re-worded for agents.
     Each bias must broadcast to its logits, (B, H, n, Nk) and (B, H, Nq, n).
     """
-    try:
-        cfg = check_inputs(
-            q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale, num_landmarks=num_agents,
-            grid=grid, num_prefix_tokens=num_prefix_tokens, landmarks=agents,
-        )  # fmt: skip
-        agents = pool(q, cfg) if agents is None else agents
-    except (ValueError, TypeError) as err:
-        raise type(err)(str(err).replace("landmark", "agent")) from None
-    B, H, Nq, _ = q.shape
-    shapes = {"aggregate_bias": (B, H, cfg.m, k.shape[2]), "broadcast_bias": (B, H, Nq, cfg.m)}
+    cfg = check_attention(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale)
+    B, H, Nq, D = q.shape
+    if agents is None:
+        agents = pool_fn(q, check_pooling(num_agents, grid, num_prefix_tokens, Nq, name="num_agents"), cfg.query_mask)
+    elif (
+        not isinstance(agents, torch.Tensor) or agents.dim() != 4 or agents.shape[:2] != (B, H) or agents.shape[3] != D
+    ):
+        got = tuple(agents.shape) if isinstance(agents, torch.Tensor) else type(agents).__name__
+        raise ValueError(f"agents must be a tensor of shape (B={B}, H={H}, n, D={D}), got {got}")
+    elif agents.dtype != q.dtype or agents.device != q.device or agents.shape[2] < 1:
+        raise TypeError(f"agents must hold n >= 1 agents with q's dtype {q.dtype} and device {q.device}")
+    n = agents.shape[2]
+    shapes = {"aggregate_bias": (B, H, n, k.shape[2]), "broadcast_bias": (B, H, Nq, n)}
     for name, bias in zip(shapes, biases):
         if bias is None:
             continue
@@ -53,7 +53,7 @@ def _kernels(q, k, agents, cfg, aggregate_bias, broadcast_bias, dropout_p):
     """The two softmax kernels: aggregation (B, H, n, Nk) and broadcast (B, H, Nq, n)."""
     B, H, _, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    logits = (agents.reshape(B, Hkv, -1, D) @ k.transpose(-1, -2)).view(B, H, cfg.m, Nk) * cfg.scale
+    logits = (agents.reshape(B, Hkv, -1, D) @ k.transpose(-1, -2)).view(B, H, agents.shape[2], Nk) * cfg.scale
     if aggregate_bias is not None:
         logits = logits + aggregate_bias
     aggregate = softmax_allowed(logits, real_keys(cfg))
@@ -83,9 +83,19 @@ def agent_attention_reference(
 ) -> torch.Tensor:
     """Agent attention as one (Nq, Nk) attention matrix: broadcast kernel times aggregation kernel."""
     cfg, agents = _prepare(
-        q, k, v, num_agents, grid, num_prefix_tokens, key_padding_mask, dropout_p, scale, agents,
-        (aggregate_bias, broadcast_bias), pool_landmarks_reference,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        num_agents,
+        grid,
+        num_prefix_tokens,
+        key_padding_mask,
+        dropout_p,
+        scale,
+        agents,
+        (aggregate_bias, broadcast_bias),
+        pool_reference,
+    )
     aggregate, broadcast = _kernels(q, k, agents, cfg, aggregate_bias, broadcast_bias, dropout_p)
     attn = broadcast @ aggregate  # (B, H, Nq, Nk), rows sum to 1
     return zero_padded(attn @ v.repeat_interleave(q.shape[1] // v.shape[1], dim=1), cfg)
@@ -120,12 +130,22 @@ def agent_attention(
         broadcast_bias: added to the query-to-agent logits, broadcastable to (B, H, Nq, n).
     """
     cfg, agents = _prepare(
-        q, k, v, num_agents, grid, num_prefix_tokens, key_padding_mask, dropout_p, scale, agents,
-        (aggregate_bias, broadcast_bias), pool_landmarks,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        num_agents,
+        grid,
+        num_prefix_tokens,
+        key_padding_mask,
+        dropout_p,
+        scale,
+        agents,
+        (aggregate_bias, broadcast_bias),
+        pool,
+    )
     aggregate, broadcast = _kernels(q, k, agents, cfg, aggregate_bias, broadcast_bias, dropout_p)
     B, H, _, D = q.shape
-    agent_values = (aggregate.reshape(B, k.shape[1], -1, k.shape[2]) @ v).view(B, H, cfg.m, D)
+    agent_values = (aggregate.reshape(B, k.shape[1], -1, k.shape[2]) @ v).view(B, H, agents.shape[2], D)
     return zero_padded(broadcast @ agent_values, cfg)
 
 
@@ -133,17 +153,3 @@ def agent_flops(n: int, d: int, num_agents: int | tuple[int, int] = 64, **_: obj
     """Aggregation (A K^T, times V) and broadcast (Q A^T, times V_A): 2 n N D each."""
     a = num_agents if isinstance(num_agents, int) else num_agents[0] * num_agents[1]
     return 8 * n * a * d
-
-
-register(
-    Method(
-        name="agent",
-        taxonomy=Taxonomy("compression", "1", "MLP (softmax)", "content-dependent (landmark probing)", "all-to-one"),
-        op=agent_attention,
-        layer=AgentAttention,
-        defaults={"num_agents": 64},
-        flops=agent_flops,
-        cost="8 N n D",
-        paper="Han et al. 2024",
-    )
-)

@@ -1,53 +1,33 @@
-"""Helpers the zoo's ops share: argument checks, the dense masked-softmax reference, row gathers."""
+"""Helpers the zoo's ops share: the causal check, the dense masked-softmax reference, row gathers."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .mita.config import MiTAConfig, check
+from .checks import AttentionArgs, check_int
 from .tiling import zero_padded
 
 __all__ = [
-    "CHUNK_ELEMENTS", "check_causal", "check_inputs", "check_positive_int", "chunk_rows", "gather_rows",
-    "key_mask_of", "masked_attention", "real_keys", "softmax_allowed", "zero_padded",
-]  # fmt: skip
+    "CHUNK_ELEMENTS",
+    "check_causal",
+    "check_positive_int",
+    "chunk_rows",
+    "gather_rows",
+    "key_mask_of",
+    "masked_attention",
+    "real_keys",
+    "softmax_allowed",
+    "zero_padded",
+]
 
 # Elements (of logits or gathered keys) one query chunk may hold when chunk_size is None.
 CHUNK_ELEMENTS = 1 << 24
 
 
-def check_inputs(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    key_padding_mask: torch.Tensor | None,
-    dropout_p: float,
-    scale: float | None,
-    num_landmarks: int | tuple[int, int] = 1,
-    grid: tuple[int, int] | None = None,
-    num_prefix_tokens: int = 0,
-    landmarks: torch.Tensor | None = None,
-) -> MiTAConfig:
-    """Validate q, k, v (B, H, N, D), the mask, dropout and pooling arguments with MiTA's checks.
-
-    The returned config carries the resolved ``scale``, ``key_mask``, ``query_mask``
-    (self-attention only), ``m``, ``pool_shape`` and ``grid``; its top-k fields are unused.
-    """
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    return check(
-        q, k, v, num_landmarks=num_landmarks, topk=1, num_routed=1, grid=grid, num_prefix_tokens=num_prefix_tokens,
-        key_padding_mask=key_padding_mask, scale=scale, landmark_scale=None, landmarks=landmarks,
-    )  # fmt: skip
-
-
 def check_positive_int(name: str, value: object) -> int:
     """``value`` as an int >= 1, or a ValueError naming the option."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
+    return check_int(name, value)
 
 
 def check_causal(causal: bool, is_causal: bool, q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -79,12 +59,12 @@ def softmax_allowed(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch
     return torch.softmax(logits, dim=-1, dtype=acc).to(logits.dtype)
 
 
-def real_keys(cfg: MiTAConfig) -> torch.Tensor | None:
+def real_keys(cfg: AttentionArgs) -> torch.Tensor | None:
     """The key padding mask as (B, 1, 1, Nk) for :func:`softmax_allowed`, None without one."""
     return None if cfg.key_mask is None else cfg.key_mask[:, None, None, :]
 
 
-def key_mask_of(cfg: MiTAConfig, k: torch.Tensor) -> torch.Tensor:
+def key_mask_of(cfg: AttentionArgs, k: torch.Tensor) -> torch.Tensor:
     """The (B, Nk) bool mask of real keys (all True without a key padding mask)."""
     if cfg.key_mask is not None:
         return cfg.key_mask

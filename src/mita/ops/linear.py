@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..attention import Method, Taxonomy, register
-from .common import check_causal, check_inputs, chunk_rows, zero_padded
+from .checks import check_attention
+from .common import check_causal, chunk_rows, zero_padded
 
 
 def feature_map(x: torch.Tensor) -> torch.Tensor:
@@ -22,7 +22,7 @@ def feature_map(x: torch.Tensor) -> torch.Tensor:
 
 def _features(q, k, v, key_padding_mask, dropout_p, causal, is_causal):
     """Checked inputs: phi(q) and phi(k) with padded rows zero, the config and the causal flag."""
-    cfg = check_inputs(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=None)
+    cfg = check_attention(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=None)
     if dropout_p:
         raise ValueError(f"linear attention has no attention matrix to drop out; use dropout_p=0, got {dropout_p!r}")
     causal = check_causal(causal, is_causal, q, k)
@@ -112,15 +112,3 @@ def linear_attention(
 def linear_flops(n: int, d: int, **_: object) -> float:
     """phi(K)^T V and phi(Q) times it (2 N D^2 each), plus the normaliser (4 N D)."""
     return 4 * n * d * d + 4 * n * d
-
-
-register(
-    Method(
-        name="linear",
-        taxonomy=Taxonomy("compression", "1", "linear", "content-dependent (kernelization)", "all-to-one"),
-        op=linear_attention,
-        flops=linear_flops,
-        cost="4 N D^2",
-        paper="Katharopoulos et al. 2020",
-    )
-)

@@ -18,10 +18,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..attention import Method, Taxonomy, register
+from .checks import check_attention
 from .common import (
     check_causal,
-    check_inputs,
     check_positive_int,
     chunk_rows,
     key_mask_of,
@@ -48,7 +47,7 @@ def _route(affinity: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor, bloc
 
 
 def _check(q, k, v, block_size, topk, key_padding_mask, dropout_p, scale, causal, is_causal):
-    cfg = check_inputs(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale)
+    cfg = check_attention(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale)
     check_positive_int("block_size", block_size)
     check_positive_int("topk", topk)
     return cfg, check_causal(causal, is_causal, q, k)
@@ -159,16 +158,3 @@ def moba_flops(n: int, d: int, block_size: int = 64, topk: int = 2, **_: object)
     """Block affinities (2 N (N/b) D) plus attention over k blocks of b keys (4 N k b D)."""
     nb = math.ceil(n / block_size)
     return 2 * n * nb * d + 4 * n * min(topk, nb) * block_size * d
-
-
-register(
-    Method(
-        name="moba",
-        taxonomy=Taxonomy("routing", "N/n", "MLP (softmax)", "position-driven (blocks, locality prior)", "N-to-N/n"),
-        op=moba_attention,
-        defaults={"block_size": 64, "topk": 2},
-        flops=moba_flops,
-        cost="2 N^2 D / b + 4 N k b D",
-        paper="Lu et al. 2025",
-    )
-)

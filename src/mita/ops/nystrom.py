@@ -10,14 +10,11 @@ multiplies right to left, O(N m D + m^3).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from ..attention import Method, Taxonomy, register
-from .common import check_inputs, real_keys, softmax_allowed, zero_padded
-from .mita.grouped import pool_landmarks
-from .mita.naive import pool_landmarks_reference
+from .checks import AttentionArgs, check_attention
+from .common import real_keys, softmax_allowed, zero_padded
+from .pooling import Pooling, check_pooling, pool, pool_reference
 
 
 def iterative_pinv(a: torch.Tensor, iterations: int | None = 6) -> torch.Tensor:
@@ -42,10 +39,11 @@ def iterative_pinv(a: torch.Tensor, iterations: int | None = 6) -> torch.Tensor:
     return z
 
 
-def _check(q, k, v, num_landmarks, key_padding_mask, dropout_p, scale, pinv_iterations):
-    cfg = check_inputs(
-        q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale, num_landmarks=num_landmarks
-    )
+def _check(
+    q, k, v, num_landmarks, key_padding_mask, dropout_p, scale, pinv_iterations
+) -> tuple[AttentionArgs, Pooling]:
+    args = check_attention(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale)
+    pooling = check_pooling(num_landmarks, None, 0, q.shape[2])
     if dropout_p:
         raise ValueError(f"nystrom attention supports no attention dropout; use dropout_p=0, got {dropout_p!r}")
     if pinv_iterations is not None and (
@@ -54,7 +52,7 @@ def _check(q, k, v, num_landmarks, key_padding_mask, dropout_p, scale, pinv_iter
         raise ValueError(
             f"pinv_iterations must be an int >= 1, or None for the exact pseudo-inverse, got {pinv_iterations!r}"
         )
-    return cfg
+    return args, pooling
 
 
 def nystrom_attention_reference(
@@ -69,11 +67,11 @@ def nystrom_attention_reference(
     pinv_iterations: int | None = 6,
 ) -> torch.Tensor:
     """The approximate (Nq, Nk) attention matrix F A^+ B, built explicitly, times V."""
-    cfg = _check(q, k, v, num_landmarks, key_padding_mask, dropout_p, scale, pinv_iterations)
+    cfg, pooling = _check(q, k, v, num_landmarks, key_padding_mask, dropout_p, scale, pinv_iterations)
     G = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-    q_land = pool_landmarks_reference(q, cfg)  # segment means of the real queries
-    k_land = pool_landmarks_reference(k, dataclasses.replace(cfg, query_mask=cfg.key_mask))
+    q_land = pool_reference(q, pooling, cfg.query_mask)  # segment means of the real queries
+    k_land = pool_reference(k, pooling, cfg.key_mask)
     kernel_f = softmax_allowed(cfg.scale * q @ k_land.transpose(-1, -2), None)
     kernel_a = softmax_allowed(cfg.scale * q_land @ k_land.transpose(-1, -2), None)
     kernel_b = softmax_allowed(cfg.scale * q_land @ k.transpose(-1, -2), real_keys(cfg))
@@ -101,12 +99,12 @@ def nystrom_attention(
         dropout_p: must be 0. scale: default D**-0.5.
         pinv_iterations: steps of the pseudo-inverse iteration (paper: 6); None = exact pinv.
     """
-    cfg = _check(q, k, v, num_landmarks, key_padding_mask, dropout_p, scale, pinv_iterations)
+    cfg, pooling = _check(q, k, v, num_landmarks, key_padding_mask, dropout_p, scale, pinv_iterations)
     B, H, _, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    G, m = H // Hkv, cfg.m
-    q_land = pool_landmarks(q, cfg)  # (B, H, m, D)
-    k_land = pool_landmarks(k, dataclasses.replace(cfg, query_mask=cfg.key_mask)).repeat_interleave(G, dim=1)
+    G, m = H // Hkv, pooling.m
+    q_land = pool(q, pooling, cfg.query_mask)  # (B, H, m, D)
+    k_land = pool(k, pooling, cfg.key_mask).repeat_interleave(G, dim=1)
     kernel_f = softmax_allowed(cfg.scale * q @ k_land.transpose(-1, -2), None)  # (B, H, Nq, m)
     kernel_a = softmax_allowed(cfg.scale * q_land @ k_land.transpose(-1, -2), None)  # (B, H, m, m)
     logits_b = (q_land.reshape(B, Hkv, G * m, D) @ k.transpose(-1, -2)).view(B, H, m, Nk)
@@ -119,18 +117,3 @@ def nystrom_flops(n: int, d: int, num_landmarks: int = 64, pinv_iterations: int 
     """F, B and their products with values (8 N m D), A and A^+ BV (4 m^2 D), 8 m^3 per pinv step."""
     m = num_landmarks
     return 8 * n * m * d + 4 * m * m * d + 8 * (pinv_iterations or 0) * m**3
-
-
-register(
-    Method(
-        name="nystrom",
-        taxonomy=Taxonomy(
-            "compression", "1", "MLP (softmax)", "content-dependent (landmark probing: segment means)", "all-to-one"
-        ),
-        op=nystrom_attention,
-        defaults={"num_landmarks": 64},
-        flops=nystrom_flops,
-        cost="8 N m D + 4 m^2 D + 48 m^3",
-        paper="Xiong et al. 2021",
-    )
-)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..attention import Method, Taxonomy, register
+from .checks import check_attention
 
 
 def sdpa_attention(
@@ -19,6 +19,7 @@ def sdpa_attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with a bool key padding mask (B, Nk); padded query rows are zero."""
+    check_attention(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale)
     mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
     if mask is not None and is_causal:  # SDPA takes one or the other: combine them
         mask = mask & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
@@ -30,15 +31,3 @@ def sdpa_attention(
     if key_padding_mask is not None and q.shape[2] == k.shape[2]:
         out = out.masked_fill(~key_padding_mask[:, None, :, None], 0)
     return out
-
-
-register(
-    Method(
-        name="sdpa",
-        taxonomy=Taxonomy("none (full attention)", "1 (width N)", "MLP (softmax)", "all tokens", "all-to-one"),
-        op=sdpa_attention,
-        flops=lambda n, d, **_: 4 * n * n * d,
-        cost="4 N^2 D",
-        paper="Vaswani et al. 2017",
-    )
-)

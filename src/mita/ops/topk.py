@@ -11,10 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..attention import Method, Taxonomy, register
+from .checks import AttentionArgs, check_attention
 from .common import (
     check_causal,
-    check_inputs,
     check_positive_int,
     chunk_rows,
     gather_rows,
@@ -23,10 +22,9 @@ from .common import (
     softmax_allowed,
     zero_padded,
 )
-from .mita.config import MiTAConfig
 
 
-def _allowed_keys(cfg: MiTAConfig, k: torch.Tensor, rows: torch.Tensor, causal: bool) -> torch.Tensor:
+def _allowed_keys(cfg: AttentionArgs, k: torch.Tensor, rows: torch.Tensor, causal: bool) -> torch.Tensor:
     """(B, 1, len(rows), Nk) bool: real keys, and with ``causal`` not after the query row."""
     allowed = key_mask_of(cfg, k)[:, None, None, :]
     if causal:
@@ -47,7 +45,7 @@ def topk_attention_reference(
     is_causal: bool = False,
 ) -> torch.Tensor:
     """Top-k attention with the full (Nq, Nk) logit matrix: keep each row's k largest, softmax, sum."""
-    cfg = check_inputs(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale)
+    cfg = check_attention(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale)
     causal = check_causal(causal, is_causal, q, k)
     kk = min(check_positive_int("topk", topk), k.shape[2])
     rows = torch.arange(q.shape[2], device=q.device)
@@ -80,7 +78,7 @@ def topk_attention(
         causal / is_causal: a query keeps only keys at or before its position (Nq == Nk).
         chunk_size: queries per chunk; None picks one that bounds the chunk's memory.
     """
-    cfg = check_inputs(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale)
+    cfg = check_attention(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale)
     causal = check_causal(causal, is_causal, q, k)
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -107,16 +105,3 @@ def topk_attention(
 def topk_flops(n: int, d: int, topk: int = 64, **_: object) -> float:
     """All N logits per query (2 N^2 D) plus the weighted sum of k values (2 N k D)."""
     return 2 * n * n * d + 2 * n * min(topk, n) * d
-
-
-register(
-    Method(
-        name="topk",
-        taxonomy=Taxonomy("routing", "N", "MLP (softmax)", "content-dependent (top-k)", "N times one-to-one"),
-        op=topk_attention,
-        defaults={"topk": 64},
-        flops=topk_flops,
-        cost="2 N^2 D + 2 N k D",
-        paper="top-k attention (Gupta et al. 2021; Wang et al. 2022)",
-    )
-)

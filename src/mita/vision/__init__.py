@@ -2,6 +2,5 @@
 
 ``flops`` (FLOP and parameter tables), ``digits`` (the offline testbed: a small ViT on
 scikit-learn's digits), ``experiments`` (attention swap, robustness over m and k, token
-pruning), ``train`` (the ImageNet recipe), ``cli`` (``mita vision ...``) and ``timm_hook``
-(registers the MiTA-DeiT names with timm once timm is imported).
+pruning), ``train`` (the ImageNet recipe) and ``cli`` (``mita vision ...``).
 """

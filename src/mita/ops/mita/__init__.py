@@ -1,6 +1,6 @@
 """MiTA attention (Mixture of Top-k Activations), spec section 2.
 
-``naive.py`` is the reference that reads like the spec; ``grouped.py`` is the portable
+``reference.py`` is the reference that reads like the spec; ``grouped.py`` is the portable
 linear-memory path (any device, autograd); ``fused.py`` runs C++ kernels on CPU
 (forward and backward). :func:`mita_attention` checks the arguments and picks one.
 """
@@ -13,11 +13,13 @@ from typing import Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..checks import check_dropout
+from ..pooling import check_pooling
 from . import fused
 from .config import MiTAConfig, check
 from .fused import mita_attention_fused
 from .grouped import mita_attention_grouped
-from .naive import mita_attention_reference
+from .reference import mita_attention_reference
 
 IMPLEMENTATIONS = {
     "reference": mita_attention_reference,
@@ -39,12 +41,13 @@ def mita_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    num_landmarks: int | tuple[int, int],
+    num_landmarks: int | tuple[int, ...],
     topk: int,
     num_routed: int = 1,
-    grid: tuple[int, int] | None = None,
+    grid: tuple[int, ...] | None = None,
     num_prefix_tokens: int = 0,
     key_padding_mask: torch.Tensor | None = None,
+    query_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
     landmark_scale: float | None = None,
     landmarks: torch.Tensor | None = None,
@@ -56,53 +59,104 @@ def mita_attention(
     """MiTA attention on (B, H, N, D) tensors, like ``F.scaled_dot_product_attention``.
 
     Args:
-        q: queries (B, H, Nq, D). k, v: keys and values (B, Hkv, Nk, D), H a multiple of Hkv.
-        num_landmarks: m, or (mh, mw) / a perfect square with a 2-D ``grid``.
-        topk: keys per deformable expert (clamped to the number of real keys).
-        num_routed: s, the experts each query is routed to (1 <= s <= m).
-        grid: (gh, gw) patch grid of the pooled tokens for 2-D pooling; None pools in 1-D.
-        num_prefix_tokens: leading tokens (CLS, registers) that attend but are not pooled.
-        key_padding_mask: bool (B, Nk), True = real token; in self-attention it also marks queries.
-        scale: s0, default D**-0.5. landmark_scale: scale of the landmark logits, default s0.
-        landmarks: (B, H, m, D) landmarks to use instead of pooling.
-        dropout_p: dropout on the attention probabilities (pass 0 in evaluation).
-        branches: "both" (MiTA), or the paper's ablations "shared" (shared expert only) and
-            "routed" (routed experts only, no shared expert).
-        return_routing: also return a :class:`MiTARouting` for analysis.
-        impl: "fused" (C++ kernels, forward and backward: CPU, no dropout, both branches; half
-            precision computed in float32),
-            "grouped" (pure PyTorch, linear memory, any device, trainable), "reference" (the
-            spec's steps, quadratic memory), or "auto": "fused" where it applies, else "grouped".
+        q (torch.Tensor): queries of shape (B, H, Nq, D).
+        k (torch.Tensor): keys of shape (B, Hkv, Nk, D); H must be a multiple of Hkv (GQA).
+        v (torch.Tensor): values of shape (B, Hkv, Nk, D).
+        num_landmarks (int | tuple): m. An int >= 1 in 1-D; with a grid, (mh, mw) or a perfect
+            square in 2-D, (mt, mh, mw) or a perfect cube in 3-D.
+        topk (int): keys per deformable expert, clamped to the number of real keys.
+        num_routed (int): s, the experts each query is routed to, 1 <= s <= m. Default: 1.
+        grid (tuple | None): the row-major layout of the pooled tokens: None (1-D pooling),
+            (gh, gw) (2-D) or (gt, gh, gw) (3-D, video); its product is Nq - num_prefix_tokens.
+            Default: None.
+        num_prefix_tokens (int): leading tokens (CLS, registers) that attend but are not pooled.
+            Default: 0.
+        key_padding_mask (torch.Tensor | None): bool (B, Nk), True = real key. Default: None.
+        query_padding_mask (torch.Tensor | None): bool (B, Nq), True = real query. If None and
+            Nq == Nk, the key mask marks the queries too (self-attention); pass one (all True if
+            no query is padded) to say the call is cross-attention. Default: None.
+        scale (float | None): s0, positive and finite. Default: D**-0.5.
+        landmark_scale (float | None): scale of the landmark logits, positive and finite.
+            Default: ``scale``.
+        landmarks (torch.Tensor | None): (B, H, m, D) landmarks to use instead of pooling.
+            Default: None.
+        dropout_p (float): dropout on the attention probabilities (pass 0 in evaluation).
+            Default: 0.0.
+        branches (str): "both" (MiTA), or the paper's ablations "shared" (shared expert only)
+            and "routed" (routed experts only). Default: "both".
+        return_routing (bool): also return a :class:`MiTARouting`. Default: False.
+        impl (str): "fused" (C++ kernels, forward and backward: CPU, no dropout, both branches;
+            half precision computed in float32), "grouped" (pure PyTorch, linear memory, any
+            device, trainable), "reference" (the spec's steps, quadratic memory), or "auto":
+            "fused" where it applies, else "grouped". Default: "auto".
+
+    Returns:
+        The output of shape (B, H, Nq, D) and q's dtype, zero on padded queries; with
+        ``return_routing``, the pair (output, :class:`MiTARouting`).
     """
     if impl not in ("auto", *IMPLEMENTATIONS):
         raise ValueError(f"impl must be one of {['auto', *IMPLEMENTATIONS]}, got {impl!r}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    dropout_p = check_dropout(dropout_p)
     cfg = check(
-        q, k, v,
-        num_landmarks=num_landmarks, topk=topk, num_routed=num_routed, grid=grid,
-        num_prefix_tokens=num_prefix_tokens, key_padding_mask=key_padding_mask, scale=scale,
-        landmark_scale=landmark_scale, landmarks=landmarks, branches=branches,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        num_landmarks=num_landmarks,
+        topk=topk,
+        num_routed=num_routed,
+        grid=grid,
+        num_prefix_tokens=num_prefix_tokens,
+        key_padding_mask=key_padding_mask,
+        query_padding_mask=query_padding_mask,
+        scale=scale,
+        landmark_scale=landmark_scale,
+        landmarks=landmarks,
+        branches=branches,
+        dropout_p=dropout_p,
+    )
     if impl == "auto":
-        fast = fused.supports(q, cfg, dropout_p) and fused.available()
+        fast = not fused.not_supported_reasons(q, cfg, dropout_p) and fused.available()
         impl = "fused" if fast else "grouped"
     out, routing = IMPLEMENTATIONS[impl](q, k, v, cfg, landmarks=landmarks, dropout_p=dropout_p)
     return (out, MiTARouting(*routing)) if return_routing else out
 
 
 def official_landmarks(q: torch.Tensor, num_landmarks: int | tuple[int, int]) -> torch.Tensor:
-    """The authors' DeiT landmarks: 2-D pooling of the first N-1 tokens on a floor(sqrt(N)) grid."""
+    """The authors' DeiT landmarks: 2-D pooling of the first N-1 tokens on a floor(sqrt(N)) grid.
+
+    Args:
+        q (torch.Tensor): queries of shape (B, H, N, D), N - 1 a perfect square.
+        num_landmarks (int | tuple): (mh, mw) or a perfect square.
+
+    Returns:
+        The landmarks, of shape (B, H, mh * mw, D).
+    """
     B, H, N, D = q.shape
     side = math.isqrt(N)
     if side * side != N - 1:
         raise ValueError(f"compat='official' needs N - 1 to be a square (N = 197, 1025, ...), got N={N}")
-    mh, mw = check(
-        q, q, q, num_landmarks=num_landmarks, topk=1, num_routed=1, grid=(side, side),
-        num_prefix_tokens=N - side * side, key_padding_mask=None, scale=None, landmark_scale=None, landmarks=None,
-    ).pool_shape  # fmt: skip
+    mh, mw = check_pooling(num_landmarks, (side, side), N - side * side, N).shape
     img = q[:, :, : N - 1].transpose(-1, -2).reshape(B * H, D, side, side)
     return F.adaptive_avg_pool2d(img, (mh, mw)).reshape(B, H, D, mh * mw).transpose(-1, -2)
+
+
+def mita_flops(
+    n: int,
+    d: int,
+    num_landmarks: int | tuple[int, ...] = 64,
+    topk: int = 64,
+    num_routed: int = 1,
+    branches: str = "both",
+    **_: object,
+) -> float:
+    """Spec section 3: N D (8m + 4sk) per head (top-k and routing, O(mN), not counted).
+
+    The ablations drop their branch: "shared" the routed keys (8 N m D), "routed" the
+    shared values and their logits (N D (4m + 4sk)).
+    """
+    m = num_landmarks if isinstance(num_landmarks, int) else math.prod(num_landmarks)
+    routed = 4 * num_routed * min(topk, n)
+    return n * d * {"both": 8 * m + routed, "shared": 8 * m, "routed": 4 * m + routed}[branches]
 
 
 __all__ = [
@@ -112,5 +166,6 @@ __all__ = [
     "mita_attention_fused",
     "mita_attention_grouped",
     "mita_attention_reference",
+    "mita_flops",
     "official_landmarks",
 ]

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
+from ..pooling import pool
 from ..tiling import zero_padding
 from .config import MiTAConfig
-from .grouped import pool_landmarks
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_cpu.cpp"
 _ISA_FLAGS = {
@@ -70,7 +70,7 @@ def _load() -> bool:
         build = cache_dir()
         build.mkdir(parents=True, exist_ok=True)
         if not any(build.glob("*.so")):
-            print(f"mita: compiling the fused CPU kernel once (about a minute; cached in {build})", file=sys.stderr)
+            print(f"mita: compiling the fused CPU kernel once (about 25 s; cached in {build})", file=sys.stderr)
         # torch runs `ninja` from PATH: make this environment's scripts folder (pip's ninja) findable.
         scripts = sysconfig.get_path("scripts")
         if scripts not in os.environ.get("PATH", "").split(os.pathsep):
@@ -136,15 +136,35 @@ class _FusedMiTA(torch.autograd.Function):
         q, k, v, landmarks, key_mask, experts, routes, out, v_shared, lse_a, lse_t = ctx.saved_tensors
         self_attention, scale, landmark_scale = ctx.args
         grads = torch.ops.mita.fused_backward(
-            dout.contiguous(), q, k, v, landmarks, key_mask, self_attention, experts, routes, out, v_shared,
-            lse_a, lse_t, scale, landmark_scale,
-        )  # fmt: skip
+            dout.contiguous(),
+            q,
+            k,
+            v,
+            landmarks,
+            key_mask,
+            self_attention,
+            experts,
+            routes,
+            out,
+            v_shared,
+            lse_a,
+            lse_t,
+            scale,
+            landmark_scale,
+        )
         return *grads, None, None, None, None, None, None
 
 
-def supports(q: torch.Tensor, cfg: MiTAConfig, dropout_p: float) -> bool:
-    """Whether a call can take the fused kernels: CPU, no dropout, both branches."""
-    return q.device.type == "cpu" and dropout_p == 0 and cfg.branches == "both"
+def not_supported_reasons(q: torch.Tensor, cfg: MiTAConfig, dropout_p: float) -> list[str]:
+    """Why a call cannot take the fused kernels (an empty list: it can)."""
+    reasons = []
+    if q.device.type != "cpu":
+        reasons.append(f"q is on {q.device}, the fused kernels run on CPU")
+    if dropout_p > 0:
+        reasons.append(f"dropout_p={dropout_p} (the fused kernels have no dropout)")
+    if cfg.branches != "both":
+        reasons.append(f"branches={cfg.branches!r} (the fused kernels compute both branches)")
+    return reasons
 
 
 def mita_attention_fused(
@@ -160,17 +180,23 @@ def mita_attention_fused(
     bfloat16 and float16 are computed in float32 (the kernels' products and softmaxes) and the
     output cast back, which is at least as precise as the grouped path's half-precision products.
     """
-    if not supports(q, cfg, dropout_p):
-        raise ValueError("impl='fused' needs CPU tensors, dropout_p=0 and branches='both'; otherwise use 'grouped'")
+    reasons = not_supported_reasons(q, cfg, dropout_p)
+    if reasons:
+        raise ValueError(f"impl='fused' cannot run this call: {'; '.join(reasons)}; use impl='grouped'")
     if not available():
         raise RuntimeError("impl='fused': the fused CPU kernel is not available (see the warning above)")
     q, k, v = zero_padding(q, k, v, cfg)  # padded tokens take no part anywhere
     if landmarks is None:
-        landmarks = pool_landmarks(q, cfg)
+        landmarks = pool(q, cfg.pooling, cfg.query_mask)
     compute = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
     key_mask = None if cfg.key_mask is None else cfg.key_mask.contiguous()
     out, experts, routes = _FusedMiTA.apply(
-        *(t.to(compute).contiguous() for t in (q, k, v, landmarks)), key_mask,
-        cfg.query_mask is not None, cfg.topk, cfg.num_routed, cfg.scale, cfg.landmark_scale,
-    )  # fmt: skip
+        *(t.to(compute).contiguous() for t in (q, k, v, landmarks)),
+        key_mask,
+        cfg.query_mask is not None,
+        cfg.topk,
+        cfg.num_routed,
+        cfg.scale,
+        cfg.landmark_scale,
+    )
     return out.to(q.dtype), (landmarks, experts, routes)

@@ -12,53 +12,11 @@ device-agnostic; the backward of the two softmax pieces is hand-written (``autog
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from ..pooling import pool
 from ..tiling import tile_rows, zero_padded, zero_padding
 from .autograd import SoftmaxLSE, TileAttention
 from .config import MiTAConfig
-
-
-def pooling_matrix(n: int, m: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """(m, n) averaging weights with the bin edges of ``adaptive_avg_pool1d``."""
-    i = torch.arange(m, device=device)
-    start = (i * n) // m
-    end = ((i + 1) * n + m - 1) // m
-    t = torch.arange(n, device=device)
-    w = ((t >= start[:, None]) & (t < end[:, None])).to(dtype)
-    return w / (end - start).to(dtype)[:, None]
-
-
-def pool_landmarks(q: torch.Tensor, cfg: MiTAConfig) -> torch.Tensor:
-    """Step 1 in O(m N D) per head: average-pool the queries after the prefix (B, H, m, D)."""
-    x = q[:, :, cfg.num_prefix_tokens :]
-    L = x.shape[2]
-    real = None if cfg.query_mask is None else cfg.query_mask[:, cfg.num_prefix_tokens :]
-    B, H, _, D = x.shape
-    if cfg.grid is None:
-        if real is None:
-            if L % cfg.m == 0:
-                return x.unflatten(2, (cfg.m, L // cfg.m)).mean(3)
-            return F.adaptive_avg_pool1d(x.flatten(0, 1).transpose(1, 2), cfg.m).transpose(1, 2).view(B, H, cfg.m, D)
-        # 1-D bins over each sequence's real tokens: bin of a token = bins of its rank.
-        n_real = real.sum(1)  # (B,)
-        rank = real.cumsum(1) - 1  # (B, L)
-        i = torch.arange(cfg.m, device=q.device)
-        start = (i[None] * n_real[:, None]) // cfg.m  # (B, m)
-        end = ((i[None] + 1) * n_real[:, None] + cfg.m - 1) // cfg.m
-        w = (rank[:, None] >= start[..., None]) & (rank[:, None] < end[..., None]) & real[:, None]
-        w = w.to(q.dtype) / (end - start).to(q.dtype)[..., None]  # (B, m, L)
-        return w[:, None] @ x
-    (gh, gw), (mh, mw) = cfg.grid, cfg.pool_shape
-    if real is None:
-        img = x.flatten(0, 1).transpose(1, 2).unflatten(2, (gh, gw))  # (B H, D, gh, gw)
-        return F.adaptive_avg_pool2d(img, (mh, mw)).flatten(2).transpose(1, 2).view(B, H, cfg.m, D)
-    w = torch.kron(pooling_matrix(gh, mh, q.device, q.dtype), pooling_matrix(gw, mw, q.device, q.dtype))
-    w = w[None] * real[:, None].to(q.dtype)  # (B, m, L): mean over the real tokens of each bin
-    den = w.sum(-1, keepdim=True)
-    if bool((den == 0).any()):
-        raise ValueError("key_padding_mask leaves a 2-D landmark bin with no real token")
-    return (w / den)[:, None] @ x
 
 
 def mita_attention_grouped(
@@ -78,7 +36,7 @@ def mita_attention_grouped(
     acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
 
     if landmarks is None:
-        landmarks = pool_landmarks(q, cfg)
+        landmarks = pool(q, cfg.pooling, cfg.query_mask)
     # Scaled affinities s0*A with the query heads of one kv head stacked: (B, Hkv, G*m, Nk).
     # Top-k is unchanged by the positive scale, so A itself is never needed.
     A = (cfg.scale * landmarks).reshape(B, Hkv, G * m, D) @ k.transpose(-1, -2)

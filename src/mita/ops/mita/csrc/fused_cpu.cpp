@@ -1,4 +1,4 @@
-// Fused MiTA forward on CPU (inference): the algorithm of grouped.py, block by block in cache.
+// Fused MiTA on CPU, forward and backward (training and inference): the algorithm of grouped.py, block by block in cache.
 //
 // Per head x = (b, h), with L the landmarks, s0 = scale, ls = landmark_scale:
 //   A (shared expert and experts): for key blocks, S = L K^T; a streaming top-k per landmark

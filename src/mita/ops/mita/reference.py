@@ -1,7 +1,7 @@
 """Reference MiTA attention: the spec's steps, one after the other, for reading and testing.
 
 Quadratic in memory (every query gathers its routed keys explicitly); it is the oracle
-the efficient path in :mod:`mita.ops.mita.grouped` is tested against.
+the fast paths (:mod:`~mita.ops.mita.grouped`, :mod:`~mita.ops.mita.fused`) are tested against.
 """
 
 from __future__ import annotations
@@ -9,33 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..pooling import pool_reference
 from ..tiling import zero_padding
 from .config import MiTAConfig
-
-
-def pool_landmarks_reference(q: torch.Tensor, cfg: MiTAConfig) -> torch.Tensor:
-    """Step 1: average-pool the queries after the prefix into m landmarks (B, H, m, D)."""
-    out = []
-    for b in range(q.shape[0]):
-        x = q[b, :, cfg.num_prefix_tokens :]  # (H, L, D)
-        real = None if cfg.query_mask is None else cfg.query_mask[b, cfg.num_prefix_tokens :]
-        if cfg.grid is None:
-            if real is not None:
-                x = x[:, real]  # the real tokens only, in order
-            pooled = F.adaptive_avg_pool1d(x.transpose(1, 2), cfg.m).transpose(1, 2)
-        else:
-            img = x.transpose(1, 2).unflatten(-1, cfg.grid)  # (H, D, gh, gw)
-            if real is None:
-                pooled = F.adaptive_avg_pool2d(img, cfg.pool_shape)
-            else:  # mean over the real tokens of each bin
-                w = real.to(x.dtype).view(1, 1, *cfg.grid)
-                den = F.adaptive_avg_pool2d(w, cfg.pool_shape)
-                if bool((den == 0).any()):
-                    raise ValueError(f"key_padding_mask leaves a landmark bin of batch element {b} with no real token")
-                pooled = F.adaptive_avg_pool2d(img * w, cfg.pool_shape) / den
-            pooled = pooled.flatten(2).transpose(1, 2)
-        out.append(pooled)
-    return torch.stack(out)
 
 
 def mita_attention_reference(
@@ -55,7 +31,7 @@ def mita_attention_reference(
 
     # 1. Landmarks Q~ (B, H, m, D).
     if landmarks is None:
-        landmarks = pool_landmarks_reference(q, cfg)
+        landmarks = pool_reference(q, cfg.pooling, cfg.query_mask)
 
     # 2. Affinities A = Q~ K^T (B, H, m, Nk); padded keys are -inf.
     A = landmarks @ k.transpose(-1, -2)

@@ -1,4 +1,4 @@
-"""timm integration: the mita_deit_* names, convert() round trips, the authors' checkpoint layout."""
+"""Models (timm): the mita_deit_* names, layers' timm state dicts, convert() round trips, authors' checkpoints."""
 
 from __future__ import annotations
 
@@ -11,7 +11,11 @@ import torch.nn.functional as F
 
 timm = pytest.importorskip("timm")
 
+from timm.models.vision_transformer import Attention as TimmAttention  # noqa: E402
+
 import mita  # noqa: E402
+from _zoo import IMPLEMENTED, padding  # noqa: E402
+from mita import attention as registry  # noqa: E402
 from mita.integrations.timm import MODEL_NAMES, MiTAVisionAttention, convert, revert  # noqa: E402
 from mita.ops.mita import mita_attention  # noqa: E402
 
@@ -209,9 +213,44 @@ def test_import_mita_registers_lazily():
 
 
 def test_hook_without_timm(monkeypatch):
-    from mita.vision import timm_hook
+    from mita.integrations import timm_hook
 
     monkeypatch.setitem(sys.modules, "timm", None)  # as if timm were not installed
     before = list(sys.meta_path)
     timm_hook.install()
     assert sys.meta_path == before
+
+
+@pytest.mark.parametrize("name", IMPLEMENTED)
+def test_timm_state_dict_loads_strictly(name):
+    timm_layer = TimmAttention(32, 4, qkv_bias=True)
+    layer = registry.build_layer(name, 32, 4, qkv_bias=True)
+    layer.load_state_dict(timm_layer.state_dict())
+    if name == "sdpa":  # same weights, same attention: same output as timm
+        x = torch.randn(2, 10, 32)
+        torch.testing.assert_close(layer(x), timm_layer(x))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"agent_bias": True, "grid": (4, 4), "num_prefix_tokens": 1, "num_agents": 4},
+        {"agent_bias": True, "seq_len": 17, "num_prefix_tokens": 1},
+        {"dwc": True, "grid": "auto", "num_prefix_tokens": 1, "num_agents": 4},
+        {"dwc": True},
+        {"agent_bias": True, "dwc": True, "grid": (4, 4), "num_prefix_tokens": 1, "num_agents": (2, 2)},
+    ],
+    ids=["bias-2d", "bias-1d", "dwc-2d", "dwc-1d", "bias-dwc"],
+)
+def test_agent_layer_options_load_timm_missing_only_their_parameters(options):
+    layer = registry.build_layer({"name": "agent", **options}, 32, 4)
+    extra = {n for n, _ in layer.named_parameters() if n.startswith(("agent_bias.", "dwc."))}
+    assert extra
+    result = layer.load_state_dict(TimmAttention(32, 4).state_dict(), strict=False)
+    assert set(result.missing_keys) == extra and not result.unexpected_keys
+    x = torch.randn(2, 17, 32, requires_grad=True)
+    mask = padding(2, 17, [17, 15])
+    out = layer(x, attn_mask=mask)
+    out.sum().backward()
+    assert (out[1, 15:] == layer.proj.bias).all()
+    assert all(torch.isfinite(p.grad).all() for p in layer.parameters())

@@ -15,10 +15,10 @@ from types import ModuleType
 
 
 def _register() -> None:
-    if "mita.integrations.timm" in sys.modules:  # being imported now: it registers when it finishes
+    if "mita.models.deit" in sys.modules:  # being imported now: it registers when it finishes
         return
     try:
-        import mita.integrations.timm  # noqa: F401  (registers the models on import)
+        import mita.models.deit  # noqa: F401  (registers the models on import)
     except Exception as err:  # a broken timm must not break ``import timm`` or ``import mita``
         warnings.warn(f"mita could not register its timm models: {err}", stacklevel=2)
 

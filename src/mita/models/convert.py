@@ -1,0 +1,121 @@
+"""Any timm ViT with another attention: :func:`convert` swaps its ``Attention`` layers in place.
+
+Parameter names stay timm's, so state dicts move between the converted and the original
+model unchanged; :func:`revert` puts timm's own ``Attention`` back. Needs timm.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch.nn as nn
+from timm.layers import Attention
+
+from .. import attention as registry
+from ..layers.base import AttentionLayer
+from ..layers.mita import MiTAVisionAttention
+
+#: modules moved unchanged from the old attention layer to the new one (timm's ``Attention`` names)
+_SHARED_CHILDREN = ("qkv", "q_norm", "k_norm", "norm", "gate", "proj", "attn_drop", "proj_drop")
+
+
+def _timm_kwargs(layer: nn.Module) -> dict[str, Any]:
+    """The constructor arguments of an existing timm-style attention layer, read from its modules."""
+    return {
+        "attn_head_dim": layer.head_dim,
+        "dim_out": layer.proj.out_features,
+        "qkv_bias": layer.qkv.bias is not None,
+        "proj_bias": layer.proj.bias is not None,
+        "gated": getattr(layer, "gate", None) is not None,
+        "attn_drop": layer.attn_drop.p,
+        "proj_drop": layer.proj_drop.p,
+    }
+
+
+def _vision_defaults(model: nn.Module, method: registry.Method) -> dict[str, Any]:
+    """``num_prefix_tokens`` and ``grid`` from a timm ViT, for methods whose op takes them."""
+    accepts = inspect.signature(method.op).parameters
+    found: dict[str, Any] = {}
+    if "num_prefix_tokens" in accepts:
+        found["num_prefix_tokens"] = int(getattr(model, "num_prefix_tokens", 0))
+    grid_size = getattr(getattr(model, "patch_embed", None), "grid_size", None)
+    if "grid" in accepts and grid_size is not None:
+        gh, gw = grid_size
+        found["grid"] = "auto" if gh == gw and method.name == "mita" else (int(gh), int(gw))
+    return found
+
+
+def _new_layer(old: nn.Module, attention: registry.Config | str, options: dict[str, Any], model: nn.Module):
+    dim, heads, kwargs = old.qkv.in_features, old.num_heads, _timm_kwargs(old)
+    if attention == "timm":
+        if options:
+            raise ValueError(f"convert(attention='timm') takes no options, got {sorted(options)}")
+        return Attention(dim, heads, **kwargs)
+    name, config_options = registry.parse(attention)
+    method = registry.get(name)
+    layer = MiTAVisionAttention if name == "mita" else method.layer
+    valid = set(inspect.signature(method.op).parameters) - {"q", "k", "v"}
+    for cls in () if layer is None else layer.__mro__:
+        if "__init__" in vars(cls) and cls is not AttentionLayer:
+            valid |= set(inspect.signature(cls.__init__).parameters)
+    valid -= {"self", "dim", "num_heads", "args", "kwargs", *kwargs}
+    bad = sorted(set(config_options) - valid) + sorted(set(options) - valid)
+    if bad:
+        raise ValueError(f"convert(): attention {name!r} takes no options {bad}; its options: {sorted(valid)}")
+    options = {**_vision_defaults(model, method), **config_options, **options}
+    if name == "mita":
+        options = {**method.defaults, "num_landmarks": 25, "topk": 25, **options}
+        return MiTAVisionAttention(dim, heads, **kwargs, **options)
+    return registry.build_layer({"name": name, **options}, dim, heads, **kwargs)
+
+
+def _extra_parameters(layer: nn.Module) -> list[str]:
+    return sorted(n for n, _ in layer.named_children() if n not in _SHARED_CHILDREN and getattr(layer, n) is not None)
+
+
+def convert(model: nn.Module, attention: registry.Config = "mita", **options: Any) -> nn.Module:
+    """Swap every attention layer of a timm ViT for ``attention`` in place, keeping its weights.
+
+    ``attention`` is any registered method or config (``"mita"``, ``"sdpa"``,
+    ``"mita:topk=49"``) or ``"timm"`` for timm's own ``Attention`` (the way back). The
+    ``qkv``/``proj``/norm modules are moved into the new layers, so parameters keep their
+    identity and names and the state dict round-trips exactly. For MiTA, ``num_prefix_tokens``
+    and the patch ``grid`` are read from the model, and m = k = 25 unless given; ``dwc=True``
+    and ``out_gate=True`` add the MiTA-DeiT extras (new parameters). Returns ``model`` (or
+    the new layer when ``model`` itself is an attention layer).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a timm ViT), got {type(model).__name__}")
+    if not isinstance(attention, (str, dict)):
+        raise TypeError(f"attention must be a method name, a config string or dict, or 'timm'; got {attention!r}")
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, (Attention, AttentionLayer))]
+    if not targets:
+        raise ValueError(
+            f"{type(model).__name__} has no timm Attention (or mita AttentionLayer) modules to convert; "
+            "convert works on timm ViTs (VisionTransformer, DeiT, ...)"
+        )
+    swaps = []
+    for name, old in targets:  # build and check every layer before touching the model
+        new = _new_layer(old, attention, dict(options), model)
+        dropped = sorted(set(_extra_parameters(old)) - set(_extra_parameters(new)))
+        if dropped:
+            raise ValueError(
+                f"converting {name or 'the model'} to {attention!r} would drop its modules {dropped}; "
+                "convert to a MiTA config with the same extras (dwc=True / out_gate=True)"
+            )
+        swaps.append((name, old, new))
+    for name, old, new in swaps:
+        for child in (*_SHARED_CHILDREN, *_extra_parameters(old)):
+            setattr(new, child, getattr(old, child))
+        new.train(old.training)
+        if not name:
+            return new
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, new)
+    return model
+
+
+def revert(model: nn.Module) -> nn.Module:
+    """Put timm's own ``Attention`` back in every layer: ``convert(model, "timm")``."""
+    return convert(model, "timm")
