@@ -16,30 +16,10 @@ from pathlib import Path
 import torch
 
 FIELDS = (
-    "session",
-    "device",
-    "dtype",
-    "batch",
-    "heads",
-    "head_dim",
-    "series",
-    "method",
-    "options",
-    "n",
-    "mode",
-    "status",
-    "median_s",
-    "repeats",
-    "tokens_per_s",
-    "peak_bytes",
-    "reference_bytes",
-    "memory_ratio",
-    "model_flops",
-    "speedup",
-    "ideal_speedup",
-    "fraction_of_ideal",
-    "baseline_session",
-)
+    "session", "device", "dtype", "batch", "heads", "head_dim", "series", "method", "options", "n", "mode",
+    "status", "median_s", "repeats", "tokens_per_s", "peak_bytes", "reference_bytes", "memory_ratio",
+    "model_flops", "speedup", "ideal_speedup", "fraction_of_ideal", "baseline_session",
+)  # fmt: skip
 OK = "ok"
 Row = dict[str, str]
 

@@ -107,15 +107,9 @@ def mita_mask(
     if mask_function is bidirectional_mask_function and q_offset == 0 and kv_offset == 0:
         return None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
     return sdpa_mask(
-        batch_size=batch_size,
-        q_length=q_length,
-        kv_length=kv_length,
-        q_offset=q_offset,
-        kv_offset=kv_offset,
-        mask_function=mask_function,
-        attention_mask=attention_mask,
-        **kwargs,
-    )
+        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
+        mask_function=mask_function, attention_mask=attention_mask, **kwargs,
+    )  # fmt: skip
 
 
 def mita_attention_forward(
