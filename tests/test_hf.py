@@ -167,3 +167,25 @@ def test_options_survive_save_and_load(tmp_path):
     ids = torch.randint(0, 50, (1, 20))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).last_hidden_state, model.eval()(ids).last_hidden_state)
+
+
+def test_cross_attention_modules_are_never_self_attention():
+    """Equal lengths and a key padding mask: a cross-attention module's queries are all real."""
+
+    class BertCrossAttention(torch.nn.Module):
+        config = BertConfig(mita_num_landmarks=3, mita_topk=4)
+
+    class SelfAttention(torch.nn.Module):
+        config = BertConfig(mita_num_landmarks=3, mita_topk=4)
+
+    q, k, v = (torch.randn(2, 2, 10, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    mask = torch.arange(10)[None] < torch.tensor([[10], [6]])
+    opts = dict(num_landmarks=3, topk=4, num_routed=1, num_prefix_tokens=0, grid=None, key_padding_mask=mask)
+    cross, _ = mita_attention_forward(BertCrossAttention(), q, k, v, mask.long())
+    everyone = torch.ones(2, 10, dtype=torch.bool)
+    expected = mita_attention(q, k, v, **opts, query_padding_mask=everyone).transpose(1, 2)
+    torch.testing.assert_close(cross, expected)
+    assert cross[1, 6:].abs().sum() > 0
+    own, _ = mita_attention_forward(SelfAttention(), q, k, v, mask.long())
+    torch.testing.assert_close(own, mita_attention(q, k, v, **opts).transpose(1, 2))
+    assert (own[1, 6:] == 0).all()

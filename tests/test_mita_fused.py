@@ -128,10 +128,10 @@ def test_operator_schema_and_fake_kernel() -> None:
     landmarks = torch.randn(2, 2, 4, 8)
     k = k.masked_fill(~mask[:, None, :, None], 0)
     checks = ("test_schema", "test_faketensor")
-    args = (q, k, v, landmarks, mask, True, 6, 2, 0.3, 0.2)
+    args = (q, k, v, landmarks, mask, mask, 6, 2, 0.3, 0.2)
     torch.library.opcheck(torch.ops.mita.fused_forward.default, args, test_utils=checks)
     out, experts, routes, *saved = torch.ops.mita.fused_forward(*args)
-    args = (torch.randn_like(q), q, k, v, landmarks, mask, True, experts, routes, out, *saved, 0.3, 0.2)
+    args = (torch.randn_like(q), q, k, v, landmarks, mask, mask, experts, routes, out, *saved, 0.3, 0.2)
     torch.library.opcheck(torch.ops.mita.fused_backward.default, args, test_utils=checks)
 
 
@@ -148,8 +148,8 @@ def test_traces_under_torch_compile() -> None:
 def test_backward_operator_rejects_bad_saved_tensors() -> None:
     q, k, v, _ = Case(B=1, H=2, N=30, D=8, m=3, k=4).inputs(dtype=torch.float32)
     landmarks = torch.randn(1, 2, 3, 8)
-    out, experts, routes, *saved = torch.ops.mita.fused_forward(q, k, v, landmarks, None, False, 4, 1, 0.3, 0.3)
-    args = [torch.randn_like(q), q, k, v, landmarks, None, False, experts, routes, out, *saved, 0.3, 0.3]
+    out, experts, routes, *saved = torch.ops.mita.fused_forward(q, k, v, landmarks, None, None, 4, 1, 0.3, 0.3)
+    args = [torch.randn_like(q), q, k, v, landmarks, None, None, experts, routes, out, *saved, 0.3, 0.3]
     with pytest.raises(RuntimeError, match="routes out of range"):
         torch.ops.mita.fused_backward(*args[:8], routes + 3, *args[9:])
     with pytest.raises(RuntimeError, match="do not match"):

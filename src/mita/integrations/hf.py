@@ -15,7 +15,9 @@ MiTA options are read from the model config; defaults for vision configs (those 
 - ``mita_grid``: "auto" (the square patch grid) / None (1-D pooling); or [gh, gw]
 - ``mita_num_prefix_tokens``: 1 (CLS) / 0
 
-MiTA has no causal form yet: decoder models and causal calls raise a ``ValueError``.
+MiTA has no causal form yet: decoder models and causal calls raise a ``ValueError``. Padding is
+said per side: in self-attention the padding mask marks the queries too; a cross-attention module
+(``is_cross_attention`` or a ``...CrossAttention`` class) is never taken for self-attention.
 """
 
 from __future__ import annotations
@@ -136,9 +138,16 @@ def mita_attention_forward(
         raise ValueError(f"{type(module).__name__} has no .config to read the MiTA options from")
     B, _, Nq, _ = query.shape
     mask = key_padding_mask(attention_mask, B, key.shape[2])
+    # Padding per side: self-attention's queries are its keys; a cross-attention module's queries
+    # are other tokens, whose padding HF does not hand over (never taken for self-attention).
+    cross = bool(getattr(module, "is_cross_attention", False)) or "CrossAttention" in type(module).__name__
+    query_mask = torch.ones(B, Nq, dtype=torch.bool, device=query.device) if cross else None
+    if not cross and mask is not None and Nq == key.shape[2]:
+        query_mask = mask
     out = mita_attention(
-        query, key, value, **mita_options(config, Nq), key_padding_mask=mask, scale=scaling, dropout_p=dropout
-    )
+        query, key, value, **mita_options(config, Nq), key_padding_mask=mask, query_padding_mask=query_mask,
+        scale=scaling, dropout_p=dropout,
+    )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
 

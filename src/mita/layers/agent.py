@@ -122,6 +122,7 @@ class AgentAttention(AttentionLayer):
             grid=grid,
             num_prefix_tokens=self.num_prefix_tokens,
             key_padding_mask=key_padding_mask,
+            query_padding_mask=key_padding_mask,
             dropout_p=self.dropout_p,
             aggregate_bias=aggregate,
             broadcast_bias=broadcast,

@@ -85,6 +85,7 @@ class MiTAAttention(AttentionLayer):
             topk=self.topk,
             num_routed=self.num_routed,
             key_padding_mask=key_padding_mask,
+            query_padding_mask=key_padding_mask,  # self-attention: the queries are the keys
             dropout_p=self.dropout_p,
             branches=self.branches,
             impl=self.impl,

@@ -37,6 +37,8 @@ class OpAttention(AttentionLayer):
 
     def attend(self, q, k, v, key_padding_mask, is_causal):
         extra = {"is_causal": True} if is_causal else {}
+        if "query_padding_mask" in inspect.signature(self.op).parameters:  # self-attention: the queries are the keys
+            extra["query_padding_mask"] = key_padding_mask
         return self.op(q, k, v, key_padding_mask=key_padding_mask, dropout_p=self.dropout_p, **extra, **self.options)
 
     @property

@@ -19,12 +19,34 @@ from .common import real_keys, softmax_allowed, zero_padded
 from .pooling import check_pooling, pool, pool_reference
 
 
-def _prepare(q, k, v, num_agents, grid, num_prefix_tokens, key_padding_mask, dropout_p, scale, agents, biases, pool_fn):
+def _prepare(
+    q,
+    k,
+    v,
+    num_agents,
+    grid,
+    num_prefix_tokens,
+    key_padding_mask,
+    query_padding_mask,
+    dropout_p,
+    scale,
+    agents,
+    biases,
+    pool_fn,
+):
     """Checked arguments and the agents (given, or pooled by ``pool_fn``).
 
     Each bias must broadcast to its logits, (B, H, n, Nk) and (B, H, Nq, n).
     """
-    cfg = check_attention(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale)
+    cfg = check_attention(
+        q,
+        k,
+        v,
+        key_padding_mask=key_padding_mask,
+        query_padding_mask=query_padding_mask,
+        dropout_p=dropout_p,
+        scale=scale,
+    )
     B, H, Nq, D = q.shape
     if agents is None:
         agents = pool_fn(q, check_pooling(num_agents, grid, num_prefix_tokens, Nq, name="num_agents"), cfg.query_mask)
@@ -75,6 +97,7 @@ def agent_attention_reference(
     grid: tuple[int, int] | None = None,
     num_prefix_tokens: int = 0,
     key_padding_mask: torch.Tensor | None = None,
+    query_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     scale: float | None = None,
     agents: torch.Tensor | None = None,
@@ -90,6 +113,7 @@ def agent_attention_reference(
         grid,
         num_prefix_tokens,
         key_padding_mask,
+        query_padding_mask,
         dropout_p,
         scale,
         agents,
@@ -110,6 +134,7 @@ def agent_attention(
     grid: tuple[int, int] | None = None,
     num_prefix_tokens: int = 0,
     key_padding_mask: torch.Tensor | None = None,
+    query_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     scale: float | None = None,
     agents: torch.Tensor | None = None,
@@ -124,6 +149,7 @@ def agent_attention(
         grid: (gh, gw) patch grid for 2-D pooling of the agents; None pools in 1-D.
         num_prefix_tokens: leading tokens (CLS) that attend but are not pooled into agents.
         key_padding_mask: bool (B, Nk), True = real token; agents pool real queries only.
+        query_padding_mask: bool (B, Nq), True = real query; default: the key mask if Nq == Nk (self-attention).
         dropout_p: dropout on both softmax kernels. scale: default D**-0.5.
         agents: (B, H, n, D) agent tokens to use instead of pooling.
         aggregate_bias: added to the agent-to-key logits, broadcastable to (B, H, n, Nk).
@@ -137,6 +163,7 @@ def agent_attention(
         grid,
         num_prefix_tokens,
         key_padding_mask,
+        query_padding_mask,
         dropout_p,
         scale,
         agents,

@@ -20,9 +20,17 @@ def feature_map(x: torch.Tensor) -> torch.Tensor:
     return F.elu(x) + 1
 
 
-def _features(q, k, v, key_padding_mask, dropout_p, causal, is_causal):
+def _features(q, k, v, key_padding_mask, query_padding_mask, dropout_p, causal, is_causal):
     """Checked inputs: phi(q) and phi(k) with padded rows zero, the config and the causal flag."""
-    cfg = check_attention(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=None)
+    cfg = check_attention(
+        q,
+        k,
+        v,
+        key_padding_mask=key_padding_mask,
+        query_padding_mask=query_padding_mask,
+        dropout_p=dropout_p,
+        scale=None,
+    )
     if dropout_p:
         raise ValueError(f"linear attention has no attention matrix to drop out; use dropout_p=0, got {dropout_p!r}")
     causal = check_causal(causal, is_causal, q, k)
@@ -47,12 +55,13 @@ def linear_attention_reference(
     v: torch.Tensor,
     *,
     key_padding_mask: torch.Tensor | None = None,
+    query_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     causal: bool = False,
     is_causal: bool = False,
 ) -> torch.Tensor:
     """The matrix form: S = phi(Q) phi(K)^T (lower-triangular if causal), out = S V / S 1."""
-    qf, kf, cfg, causal = _features(q, k, v, key_padding_mask, dropout_p, causal, is_causal)
+    qf, kf, cfg, causal = _features(q, k, v, key_padding_mask, query_padding_mask, dropout_p, causal, is_causal)
     G = q.shape[1] // k.shape[1]
     S = qf @ kf.repeat_interleave(G, dim=1).transpose(-1, -2)
     if causal:
@@ -66,6 +75,7 @@ def linear_attention(
     v: torch.Tensor,
     *,
     key_padding_mask: torch.Tensor | None = None,
+    query_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     causal: bool = False,
     is_causal: bool = False,
@@ -76,11 +86,12 @@ def linear_attention(
     Args:
         q: (B, H, Nq, D). k, v: (B, Hkv, Nk, D), H a multiple of Hkv.
         key_padding_mask: bool (B, Nk), True = real key; padded keys contribute nothing.
+        query_padding_mask: bool (B, Nq), True = real query; default: the key mask if Nq == Nk (self-attention).
         dropout_p: must be 0 (there are no attention probabilities to drop).
         causal / is_causal: query i sees keys j <= i (Nq == Nk), via running sums over chunks.
         chunk_size: tokens per chunk of the causal form; None picks 64.
     """
-    qf, kf, cfg, causal = _features(q, k, v, key_padding_mask, dropout_p, causal, is_causal)
+    qf, kf, cfg, causal = _features(q, k, v, key_padding_mask, query_padding_mask, dropout_p, causal, is_causal)
     B, H, Nq, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[3]
     G = H // Hkv

@@ -46,8 +46,16 @@ def _route(affinity: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor, bloc
     return blocks, chosen > float("-inf")
 
 
-def _check(q, k, v, block_size, topk, key_padding_mask, dropout_p, scale, causal, is_causal):
-    cfg = check_attention(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale)
+def _check(q, k, v, block_size, topk, key_padding_mask, query_padding_mask, dropout_p, scale, causal, is_causal):
+    cfg = check_attention(
+        q,
+        k,
+        v,
+        key_padding_mask=key_padding_mask,
+        query_padding_mask=query_padding_mask,
+        dropout_p=dropout_p,
+        scale=scale,
+    )
     check_positive_int("block_size", block_size)
     check_positive_int("topk", topk)
     return cfg, check_causal(causal, is_causal, q, k)
@@ -61,13 +69,16 @@ def moba_attention_reference(
     block_size: int,
     topk: int,
     key_padding_mask: torch.Tensor | None = None,
+    query_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     scale: float | None = None,
     causal: bool = False,
     is_causal: bool = False,
 ) -> torch.Tensor:
     """MoBA by its definition: block means, block choice per query, dense attention over the chosen keys."""
-    cfg, causal = _check(q, k, v, block_size, topk, key_padding_mask, dropout_p, scale, causal, is_causal)
+    cfg, causal = _check(
+        q, k, v, block_size, topk, key_padding_mask, query_padding_mask, dropout_p, scale, causal, is_causal
+    )
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
     real = key_mask_of(cfg, k)
@@ -98,6 +109,7 @@ def moba_attention(
     block_size: int,
     topk: int,
     key_padding_mask: torch.Tensor | None = None,
+    query_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     scale: float | None = None,
     causal: bool = False,
@@ -111,10 +123,13 @@ def moba_attention(
         block_size: keys per block. topk: blocks per query (clamped to the block count);
             with every block selected this is softmax attention.
         key_padding_mask: bool (B, Nk), True = real key; block means use real keys only.
+        query_padding_mask: bool (B, Nq), True = real query; default: the key mask if Nq == Nk (self-attention).
         causal / is_causal: no future blocks, own block always selected and causally masked.
         chunk_size: queries per chunk; None takes as many as keep the chunk's buffers near 2^24 elements.
     """
-    cfg, causal = _check(q, k, v, block_size, topk, key_padding_mask, dropout_p, scale, causal, is_causal)
+    cfg, causal = _check(
+        q, k, v, block_size, topk, key_padding_mask, query_padding_mask, dropout_p, scale, causal, is_causal
+    )
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G, nb, bs = H // Hkv, math.ceil(Nk / block_size), block_size

@@ -40,9 +40,17 @@ def iterative_pinv(a: torch.Tensor, iterations: int | None = 6) -> torch.Tensor:
 
 
 def _check(
-    q, k, v, num_landmarks, key_padding_mask, dropout_p, scale, pinv_iterations
+    q, k, v, num_landmarks, key_padding_mask, query_padding_mask, dropout_p, scale, pinv_iterations
 ) -> tuple[AttentionArgs, Pooling]:
-    args = check_attention(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale)
+    args = check_attention(
+        q,
+        k,
+        v,
+        key_padding_mask=key_padding_mask,
+        query_padding_mask=query_padding_mask,
+        dropout_p=dropout_p,
+        scale=scale,
+    )
     pooling = check_pooling(num_landmarks, None, 0, q.shape[2])
     if dropout_p:
         raise ValueError(f"nystrom attention supports no attention dropout; use dropout_p=0, got {dropout_p!r}")
@@ -62,12 +70,15 @@ def nystrom_attention_reference(
     *,
     num_landmarks: int,
     key_padding_mask: torch.Tensor | None = None,
+    query_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     scale: float | None = None,
     pinv_iterations: int | None = 6,
 ) -> torch.Tensor:
     """The approximate (Nq, Nk) attention matrix F A^+ B, built explicitly, times V."""
-    cfg, pooling = _check(q, k, v, num_landmarks, key_padding_mask, dropout_p, scale, pinv_iterations)
+    cfg, pooling = _check(
+        q, k, v, num_landmarks, key_padding_mask, query_padding_mask, dropout_p, scale, pinv_iterations
+    )
     G = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
     q_land = pool_reference(q, pooling, cfg.query_mask)  # segment means of the real queries
@@ -86,6 +97,7 @@ def nystrom_attention(
     *,
     num_landmarks: int,
     key_padding_mask: torch.Tensor | None = None,
+    query_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     scale: float | None = None,
     pinv_iterations: int | None = 6,
@@ -96,10 +108,13 @@ def nystrom_attention(
         q: (B, H, Nq, D). k, v: (B, Hkv, Nk, D), H a multiple of Hkv.
         num_landmarks: m, the segments whose means are the landmarks (bins of adaptive_avg_pool1d).
         key_padding_mask: bool (B, Nk), True = real token; landmarks average real tokens only.
+        query_padding_mask: bool (B, Nq), True = real query; default: the key mask if Nq == Nk (self-attention).
         dropout_p: must be 0. scale: default D**-0.5.
         pinv_iterations: steps of the pseudo-inverse iteration (paper: 6); None = exact pinv.
     """
-    cfg, pooling = _check(q, k, v, num_landmarks, key_padding_mask, dropout_p, scale, pinv_iterations)
+    cfg, pooling = _check(
+        q, k, v, num_landmarks, key_padding_mask, query_padding_mask, dropout_p, scale, pinv_iterations
+    )
     B, H, _, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G, m = H // Hkv, pooling.m

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from .checks import check_attention
+from .tiling import zero_padded
 
 
 def sdpa_attention(
@@ -14,12 +15,21 @@ def sdpa_attention(
     v: torch.Tensor,
     *,
     key_padding_mask: torch.Tensor | None = None,
+    query_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
     scale: float | None = None,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with a bool key padding mask (B, Nk); padded query rows are zero."""
-    check_attention(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale)
+    args = check_attention(
+        q,
+        k,
+        v,
+        key_padding_mask=key_padding_mask,
+        query_padding_mask=query_padding_mask,
+        dropout_p=dropout_p,
+        scale=scale,
+    )
     mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
     if mask is not None and is_causal:  # SDPA takes one or the other: combine them
         mask = mask & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
@@ -28,6 +38,4 @@ def sdpa_attention(
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=gqa
     )
-    if key_padding_mask is not None and q.shape[2] == k.shape[2]:
-        out = out.masked_fill(~key_padding_mask[:, None, :, None], 0)
-    return out
+    return zero_padded(out, args)

@@ -39,13 +39,22 @@ def topk_attention_reference(
     *,
     topk: int,
     key_padding_mask: torch.Tensor | None = None,
+    query_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     scale: float | None = None,
     causal: bool = False,
     is_causal: bool = False,
 ) -> torch.Tensor:
     """Top-k attention with the full (Nq, Nk) logit matrix: keep each row's k largest, softmax, sum."""
-    cfg = check_attention(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale)
+    cfg = check_attention(
+        q,
+        k,
+        v,
+        key_padding_mask=key_padding_mask,
+        query_padding_mask=query_padding_mask,
+        dropout_p=dropout_p,
+        scale=scale,
+    )
     causal = check_causal(causal, is_causal, q, k)
     kk = min(check_positive_int("topk", topk), k.shape[2])
     rows = torch.arange(q.shape[2], device=q.device)
@@ -63,6 +72,7 @@ def topk_attention(
     *,
     topk: int,
     key_padding_mask: torch.Tensor | None = None,
+    query_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     scale: float | None = None,
     causal: bool = False,
@@ -75,10 +85,19 @@ def topk_attention(
         q: (B, H, Nq, D). k, v: (B, Hkv, Nk, D), H a multiple of Hkv.
         topk: keys each query keeps (clamped to Nk); with topk >= Nk this is softmax attention.
         key_padding_mask: bool (B, Nk), True = real key; padded keys are never kept.
+        query_padding_mask: bool (B, Nq), True = real query; default: the key mask if Nq == Nk (self-attention).
         causal / is_causal: a query keeps only keys at or before its position (Nq == Nk).
         chunk_size: queries per chunk; None picks one that bounds the chunk's memory.
     """
-    cfg = check_attention(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale)
+    cfg = check_attention(
+        q,
+        k,
+        v,
+        key_padding_mask=key_padding_mask,
+        query_padding_mask=query_padding_mask,
+        dropout_p=dropout_p,
+        scale=scale,
+    )
     causal = check_causal(causal, is_causal, q, k)
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]

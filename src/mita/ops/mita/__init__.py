@@ -97,6 +97,32 @@ def mita_attention(
     if impl not in ("auto", *IMPLEMENTATIONS):
         raise ValueError(f"impl must be one of {['auto', *IMPLEMENTATIONS]}, got {impl!r}")
     dropout_p = check_dropout(dropout_p)
+    low = _autocast_dtype(q)
+    if low is not None:  # like SDPA: computed in (and returning) the autocast dtype
+        device_type = q.device.type
+        q, k, v, landmarks = (
+            t.to(low) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v, landmarks)
+        )
+        with torch.autocast(device_type, enabled=False):
+            return mita_attention(
+                q,
+                k,
+                v,
+                num_landmarks=num_landmarks,
+                topk=topk,
+                num_routed=num_routed,
+                grid=grid,
+                num_prefix_tokens=num_prefix_tokens,
+                key_padding_mask=key_padding_mask,
+                query_padding_mask=query_padding_mask,
+                scale=scale,
+                landmark_scale=landmark_scale,
+                landmarks=landmarks,
+                dropout_p=dropout_p,
+                branches=branches,
+                return_routing=return_routing,
+                impl=impl,
+            )
     cfg = check(
         q,
         k,
@@ -119,6 +145,17 @@ def mita_attention(
         impl = "fused" if fast else "grouped"
     out, routing = IMPLEMENTATIONS[impl](q, k, v, cfg, landmarks=landmarks, dropout_p=dropout_p)
     return (out, MiTARouting(*routing)) if return_routing else out
+
+
+def _autocast_dtype(q: object) -> torch.dtype | None:
+    """The autocast dtype in effect for q's device, None if autocast is off (or q is no tensor)."""
+    if not isinstance(q, torch.Tensor):
+        return None
+    try:
+        enabled = torch.is_autocast_enabled(q.device.type)
+    except RuntimeError:  # a device type autocast does not know (meta)
+        return None
+    return torch.get_autocast_dtype(q.device.type) if enabled else None
 
 
 def official_landmarks(q: torch.Tensor, num_landmarks: int | tuple[int, int]) -> torch.Tensor:

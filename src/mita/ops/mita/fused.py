@@ -98,7 +98,7 @@ def _load() -> bool:
         return False
 
 
-def _fake_forward(q, k, v, landmarks, key_mask, self_attention, topk, num_routed, scale, landmark_scale):
+def _fake_forward(q, k, v, landmarks, key_mask, query_mask, topk, num_routed, scale, landmark_scale):
     """Output shapes without computing, for tracing (``torch.compile``, FakeTensor)."""
     B, H, Nq, D = q.shape
     m, long = landmarks.shape[2], torch.long
@@ -121,20 +121,20 @@ class _FusedMiTA(torch.autograd.Function):
     """The kernel's forward and backward as one autograd node (experts and routes carry no gradient)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, landmarks, key_mask, self_attention, topk, num_routed, scale, landmark_scale):
+    def forward(ctx, q, k, v, landmarks, key_mask, query_mask, topk, num_routed, scale, landmark_scale):
         out, experts, routes, v_shared, lse_a, lse_t = torch.ops.mita.fused_forward(
-            q, k, v, landmarks, key_mask, self_attention, topk, num_routed, scale, landmark_scale
+            q, k, v, landmarks, key_mask, query_mask, topk, num_routed, scale, landmark_scale
         )
-        ctx.save_for_backward(q, k, v, landmarks, key_mask, experts, routes, out, v_shared, lse_a, lse_t)
-        ctx.args = (self_attention, scale, landmark_scale)
+        ctx.save_for_backward(q, k, v, landmarks, key_mask, query_mask, experts, routes, out, v_shared, lse_a, lse_t)
+        ctx.args = (scale, landmark_scale)
         ctx.mark_non_differentiable(experts, routes)
         return out, experts, routes
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _experts, _routes):
-        q, k, v, landmarks, key_mask, experts, routes, out, v_shared, lse_a, lse_t = ctx.saved_tensors
-        self_attention, scale, landmark_scale = ctx.args
+        q, k, v, landmarks, key_mask, query_mask, experts, routes, out, v_shared, lse_a, lse_t = ctx.saved_tensors
+        scale, landmark_scale = ctx.args
         grads = torch.ops.mita.fused_backward(
             dout.contiguous(),
             q,
@@ -142,7 +142,7 @@ class _FusedMiTA(torch.autograd.Function):
             v,
             landmarks,
             key_mask,
-            self_attention,
+            query_mask,
             experts,
             routes,
             out,
@@ -189,11 +189,11 @@ def mita_attention_fused(
     if landmarks is None:
         landmarks = pool(q, cfg.pooling, cfg.query_mask)
     compute = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
-    key_mask = None if cfg.key_mask is None else cfg.key_mask.contiguous()
+    key_mask, query_mask = (None if m is None else m.contiguous() for m in (cfg.key_mask, cfg.query_mask))
     out, experts, routes = _FusedMiTA.apply(
         *(t.to(compute).contiguous() for t in (q, k, v, landmarks)),
         key_mask,
-        cfg.query_mask is not None,
+        query_mask,
         cfg.topk,
         cfg.num_routed,
         cfg.scale,

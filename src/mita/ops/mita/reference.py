@@ -24,10 +24,13 @@ def mita_attention_reference(
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """MiTA attention by the spec's steps; returns (out, (landmarks, experts, routes))."""
     B, H, Nq, D = q.shape
+    dtype = q.dtype
+    if dtype in (torch.float16, torch.bfloat16):  # half precision is computed in float32
+        q, k, v = q.float(), k.float(), v.float()
+        landmarks = None if landmarks is None else landmarks.float()
     k = k.repeat_interleave(H // k.shape[1], dim=1)  # grouped-query heads share kv heads
     v = v.repeat_interleave(H // v.shape[1], dim=1)
     q, k, v = zero_padding(q, k, v, cfg)  # padded tokens take no part anywhere
-    acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
 
     # 1. Landmarks Q~ (B, H, m, D).
     if landmarks is None:
@@ -39,7 +42,7 @@ def mita_attention_reference(
         A = A.masked_fill(~cfg.key_mask[:, None, None, :], float("-inf"))
 
     # 3. Shared expert: values V~ = softmax(s0 A) V; its keys are the landmarks.
-    v_shared = torch.softmax(cfg.scale * A, dim=-1, dtype=acc).to(q.dtype) @ v
+    v_shared = torch.softmax(cfg.scale * A, dim=-1) @ v
 
     # 4. Deformable experts: the top-k keys of each landmark (B, H, m, k).
     experts = A.topk(cfg.topk, dim=-1).indices
@@ -65,7 +68,7 @@ def mita_attention_reference(
     parts = ([(cfg.landmark_scale * gate, shared_values)] if cfg.use_shared else []) + (
         [(routed, vals)] if cfg.use_routed else []
     )
-    p = torch.softmax(torch.cat([logit for logit, _ in parts], dim=-1), dim=-1, dtype=acc).to(q.dtype)
+    p = torch.softmax(torch.cat([logit for logit, _ in parts], dim=-1), dim=-1)
     if dropout_p > 0:
         p = F.dropout(p, dropout_p)
     out = (p.unsqueeze(-2) @ torch.cat([value for _, value in parts], dim=-2)).squeeze(-2)
@@ -73,4 +76,4 @@ def mita_attention_reference(
     # 7. Padded query rows are zero.
     if cfg.query_mask is not None:
         out = out.masked_fill(~cfg.query_mask[:, None, :, None], 0)
-    return out, (landmarks, experts, routes)
+    return out.to(dtype), (landmarks.to(dtype), experts, routes)

@@ -536,8 +536,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   });
 }
 
-const bool* check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& landmarks,
-                         const std::optional<at::Tensor>& key_mask, bool self_attention) {
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& landmarks) {
   for (const auto* t : {&q, &k, &v, &landmarks}) {
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->dim() == 4,
                 "mita fused: q, k, v, landmarks must be contiguous 4-D CPU tensors");
@@ -549,22 +548,26 @@ const bool* check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Ten
               "mita fused: bad k, v shapes");
   TORCH_CHECK(landmarks.size(0) == B && landmarks.size(1) == H && landmarks.size(3) == D,
               "mita fused: bad landmarks shape");
-  if (!key_mask.has_value()) return nullptr;
-  TORCH_CHECK(key_mask->scalar_type() == at::kBool && key_mask->is_contiguous() && key_mask->dim() == 2 &&
-                  key_mask->size(0) == B && key_mask->size(1) == k.size(2),
-              "mita fused: key_mask must be a contiguous (B, Nk) bool tensor");
-  TORCH_CHECK(!self_attention || q.size(2) == k.size(2), "mita fused: a query mask needs Nq == Nk");
-  return key_mask->data_ptr<bool>();
+}
+
+// The data of a (B, N) bool padding mask (True = real token), or nullptr without one.
+const bool* mask_data(const std::optional<at::Tensor>& mask, int64_t B, int64_t N, const char* name) {
+  if (!mask.has_value()) return nullptr;
+  TORCH_CHECK(mask->scalar_type() == at::kBool && mask->is_contiguous() && mask->dim() == 2 && mask->size(0) == B &&
+                  mask->size(1) == N,
+              "mita fused: ", name, " must be a contiguous (B, N) bool tensor");
+  return mask->data_ptr<bool>();
 }
 
 // Returns out, experts, routes, and for the backward: v~ (B, H, m, D), the log-sum-exps of
 // s0*A per landmark (B, H, m) and of each query's joint softmax (B, H, Nq).
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& landmarks, const std::optional<at::Tensor>& key_mask,
-                                bool self_attention, int64_t topk, int64_t num_routed, double scale,
-                                double landmark_scale) {
-  const bool* km = check_inputs(q, k, v, landmarks, key_mask, self_attention);
+                                const std::optional<at::Tensor>& query_mask, int64_t topk, int64_t num_routed,
+                                double scale, double landmark_scale) {
+  check_inputs(q, k, v, landmarks);
   const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3), m = landmarks.size(2);
+  const bool *km = mask_data(key_mask, B, k.size(2), "key_mask"), *qm = mask_data(query_mask, B, Nq, "query_mask");
   TORCH_CHECK(topk >= 1 && topk <= k.size(2) && num_routed >= 1 && num_routed <= m,
               "mita fused: bad topk or num_routed");
   const auto opts = q.options();
@@ -572,7 +575,6 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   at::Tensor lse_a = at::empty({B, H, m}, opts), lse_t = at::empty({B, H, Nq}, opts);
   at::Tensor experts = at::empty({B, H, m, topk}, opts.dtype(at::kLong));
   at::Tensor routes = at::empty({B, H, Nq, num_routed}, opts.dtype(at::kLong));
-  const bool* qm = self_attention ? km : nullptr;
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mita_fused_forward", [&] {
     forward_impl<scalar_t>(q, k, v, landmarks, km, qm, topk, num_routed, scale, landmark_scale, out, experts, routes,
                            v_shared, lse_a, lse_t);
@@ -583,13 +585,14 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
 // Gradients of out with respect to q, k, v (padded keys' rows included, zero) and the landmarks.
 std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                  const at::Tensor& v, const at::Tensor& landmarks,
-                                 const std::optional<at::Tensor>& key_mask, bool self_attention,
+                                 const std::optional<at::Tensor>& key_mask, const std::optional<at::Tensor>& query_mask,
                                  const at::Tensor& experts, const at::Tensor& routes, const at::Tensor& out,
                                  const at::Tensor& v_shared, const at::Tensor& lse_a, const at::Tensor& lse_t,
                                  double scale, double landmark_scale) {
-  const bool* km = check_inputs(q, k, v, landmarks, key_mask, self_attention);
+  check_inputs(q, k, v, landmarks);
   const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), Nk = k.size(2), D = q.size(3);
   const int64_t Nq = q.size(2), m = landmarks.size(2);
+  const bool *km = mask_data(key_mask, B, Nk, "key_mask"), *qm = mask_data(query_mask, B, Nq, "query_mask");
   for (const auto* t : {&dout, &out, &v_shared, &lse_a, &lse_t})
     TORCH_CHECK(t->is_contiguous() && t->scalar_type() == q.scalar_type(),
                 "mita fused: dout and the saved tensors must be contiguous and of q's dtype");
@@ -608,7 +611,7 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
   at::Tensor dq = at::empty_like(q), dl = at::zeros_like(landmarks);
   at::Tensor dk = at::zeros({B, H, Nk, D}, q.options()), dv = at::zeros({B, H, Nk, D}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mita_fused_backward", [&] {
-    backward_impl<scalar_t>(dout, q, k, v, landmarks, km, self_attention ? km : nullptr, experts, routes, out,
+    backward_impl<scalar_t>(dout, q, k, v, landmarks, km, qm, experts, routes, out,
                             v_shared, lse_a, lse_t, scale, landmark_scale, dq, dk, dv, dl);
   });
   if (H != Hkv) {  // grouped-query heads: each kv head's gradient is the sum over its query heads
@@ -622,11 +625,11 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
 
 TORCH_LIBRARY(mita, m) {
   m.def(
-      "fused_forward(Tensor q, Tensor k, Tensor v, Tensor landmarks, Tensor? key_mask, bool self_attention, "
+      "fused_forward(Tensor q, Tensor k, Tensor v, Tensor landmarks, Tensor? key_mask, Tensor? query_mask, "
       "int topk, int num_routed, float scale, float landmark_scale) -> Tensor[]");
   m.def(
       "fused_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor landmarks, Tensor? key_mask, "
-      "bool self_attention, Tensor experts, Tensor routes, Tensor out, Tensor v_shared, Tensor lse_a, "
+      "Tensor? query_mask, Tensor experts, Tensor routes, Tensor out, Tensor v_shared, Tensor lse_a, "
       "Tensor lse_t, float scale, float landmark_scale) -> Tensor[]");
 }
 
