@@ -61,7 +61,7 @@ class AgentAttention(AttentionLayer):
 
     Args (besides timm's):
         num_agents: n, or (nh, nw) / a perfect square with a 2-D grid.
-        grid: None (1-D pooling), (gh, gw), or "auto" (a square grid of N - num_prefix_tokens).
+        grid: None (1-D pooling), (gh, gw), (gt, gh, gw), or "auto" (a square grid of N - num_prefix_tokens).
         num_prefix_tokens: leading tokens (CLS) that are not pooled, biased or convolved.
         agent_bias: learn the agent bias; needs the layout: ``grid=(gh, gw)``, or ``seq_len`` in 1-D.
         seq_len: N (prefix included) of a 1-D layout, for ``agent_bias``.

@@ -144,16 +144,25 @@ def agent_attention(
     """Agent attention on (B, H, N, D) tensors in O(N n D).
 
     Args:
-        q: (B, H, Nq, D). k, v: (B, Hkv, Nk, D), H a multiple of Hkv.
-        num_agents: n, or (nh, nw) / a perfect square with a 2-D ``grid``.
-        grid: (gh, gw) patch grid for 2-D pooling of the agents; None pools in 1-D.
-        num_prefix_tokens: leading tokens (CLS) that attend but are not pooled into agents.
-        key_padding_mask: bool (B, Nk), True = real token; agents pool real queries only.
-        query_padding_mask: bool (B, Nq), True = real query; default: the key mask if Nq == Nk (self-attention).
-        dropout_p: dropout on both softmax kernels. scale: default D**-0.5.
-        agents: (B, H, n, D) agent tokens to use instead of pooling.
-        aggregate_bias: added to the agent-to-key logits, broadcastable to (B, H, n, Nk).
-        broadcast_bias: added to the query-to-agent logits, broadcastable to (B, H, Nq, n).
+        q (torch.Tensor): queries of shape (B, H, Nq, D).
+        k (torch.Tensor): keys of shape (B, Hkv, Nk, D); H must be a multiple of Hkv (GQA).
+        v (torch.Tensor): values of shape (B, Hkv, Nk, D).
+        num_agents (int | tuple): n; with a grid, (nh, nw) / a perfect square, or (nt, nh, nw) / a perfect cube.
+        grid (tuple | None): (gh, gw) or (gt, gh, gw) layout of the pooled tokens; None pools in 1-D. Default: None.
+        num_prefix_tokens (int): leading tokens (CLS) that attend but are not pooled into agents. Default: 0.
+        key_padding_mask (torch.Tensor | None): bool (B, Nk), True = real key. Default: None.
+        query_padding_mask (torch.Tensor | None): bool (B, Nq), True = real query. Default: None, which
+            in a call with Nq == Nk (self-attention) means the key mask.
+        dropout_p (float): dropout on both softmax kernels. Default: 0.0.
+        scale (float | None): logit scale, positive and finite. Default: D**-0.5.
+        agents (torch.Tensor | None): (B, H, n, D) agent tokens to use instead of pooling. Default: None.
+        aggregate_bias (torch.Tensor | None): added to the agent-to-key logits, broadcastable to
+            (B, H, n, Nk). Default: None.
+        broadcast_bias (torch.Tensor | None): added to the query-to-agent logits, broadcastable to
+            (B, H, Nq, n). Default: None.
+
+    Returns:
+        The output of shape (B, H, Nq, D) and q's dtype; rows of padded queries are zero.
     """
     cfg, agents = _prepare(
         q,

@@ -84,12 +84,19 @@ def linear_attention(
     """Linear attention on (B, H, N, D) tensors in O(N D^2) time.
 
     Args:
-        q: (B, H, Nq, D). k, v: (B, Hkv, Nk, D), H a multiple of Hkv.
-        key_padding_mask: bool (B, Nk), True = real key; padded keys contribute nothing.
-        query_padding_mask: bool (B, Nq), True = real query; default: the key mask if Nq == Nk (self-attention).
-        dropout_p: must be 0 (there are no attention probabilities to drop).
-        causal / is_causal: query i sees keys j <= i (Nq == Nk), via running sums over chunks.
-        chunk_size: tokens per chunk of the causal form; None picks 64.
+        q (torch.Tensor): queries of shape (B, H, Nq, D).
+        k (torch.Tensor): keys of shape (B, Hkv, Nk, D); H must be a multiple of Hkv (GQA).
+        v (torch.Tensor): values of shape (B, Hkv, Nk, D).
+        key_padding_mask (torch.Tensor | None): bool (B, Nk), True = real key. Default: None.
+        query_padding_mask (torch.Tensor | None): bool (B, Nq), True = real query. Default: None, which
+            in a call with Nq == Nk (self-attention) means the key mask.
+        dropout_p (float): must be 0 (there are no attention probabilities to drop). Default: 0.0.
+        causal (bool): query i sees keys j <= i, by running sums over chunks (needs Nq == Nk). Default: False.
+        is_causal (bool): the same, under SDPA's name (layers pass it). Default: False.
+        chunk_size (int | None): tokens per chunk of the causal form; None picks 64. Default: None.
+
+    Returns:
+        The output of shape (B, H, Nq, D) and q's dtype; rows of padded queries are zero.
     """
     qf, kf, cfg, causal = _features(q, k, v, key_padding_mask, query_padding_mask, dropout_p, causal, is_causal)
     B, H, Nq, D = q.shape

@@ -119,13 +119,24 @@ def moba_attention(
     """MoBA on (B, H, N, D) tensors in memory linear in N.
 
     Args:
-        q: (B, H, Nq, D). k, v: (B, Hkv, Nk, D), H a multiple of Hkv.
-        block_size: keys per block. topk: blocks per query (clamped to the block count);
-            with every block selected this is softmax attention.
-        key_padding_mask: bool (B, Nk), True = real key; block means use real keys only.
-        query_padding_mask: bool (B, Nq), True = real query; default: the key mask if Nq == Nk (self-attention).
-        causal / is_causal: no future blocks, own block always selected and causally masked.
-        chunk_size: queries per chunk; None takes as many as keep the chunk's buffers near 2^24 elements.
+        q (torch.Tensor): queries of shape (B, H, Nq, D).
+        k (torch.Tensor): keys of shape (B, Hkv, Nk, D); H must be a multiple of Hkv (GQA).
+        v (torch.Tensor): values of shape (B, Hkv, Nk, D).
+        block_size (int): keys per block.
+        topk (int): blocks per query, clamped to the block count; with every block selected this is
+            softmax attention.
+        key_padding_mask (torch.Tensor | None): bool (B, Nk), True = real key. Default: None.
+        query_padding_mask (torch.Tensor | None): bool (B, Nq), True = real query. Default: None, which
+            in a call with Nq == Nk (self-attention) means the key mask.
+        dropout_p (float): dropout on the attention probabilities. Default: 0.0.
+        scale (float | None): logit scale, positive and finite. Default: D**-0.5.
+        causal (bool): no future blocks; the own block is always selected, causally masked (needs
+            Nq == Nk). Default: False.
+        is_causal (bool): the same, under SDPA's name (layers pass it). Default: False.
+        chunk_size (int | None): queries per chunk; None keeps the chunk's buffers near 2^24 elements. Default: None.
+
+    Returns:
+        The output of shape (B, H, Nq, D) and q's dtype; rows of padded queries are zero.
     """
     cfg, causal = _check(
         q, k, v, block_size, topk, key_padding_mask, query_padding_mask, dropout_p, scale, causal, is_causal

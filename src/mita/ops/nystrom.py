@@ -105,12 +105,21 @@ def nystrom_attention(
     """Nyström attention on (B, H, N, D) tensors in O(N m D + m^3) time and O(N m) memory.
 
     Args:
-        q: (B, H, Nq, D). k, v: (B, Hkv, Nk, D), H a multiple of Hkv.
-        num_landmarks: m, the segments whose means are the landmarks (bins of adaptive_avg_pool1d).
-        key_padding_mask: bool (B, Nk), True = real token; landmarks average real tokens only.
-        query_padding_mask: bool (B, Nq), True = real query; default: the key mask if Nq == Nk (self-attention).
-        dropout_p: must be 0. scale: default D**-0.5.
-        pinv_iterations: steps of the pseudo-inverse iteration (paper: 6); None = exact pinv.
+        q (torch.Tensor): queries of shape (B, H, Nq, D).
+        k (torch.Tensor): keys of shape (B, Hkv, Nk, D); H must be a multiple of Hkv (GQA).
+        v (torch.Tensor): values of shape (B, Hkv, Nk, D).
+        num_landmarks (int): m, the segments whose means are the landmarks (bins of adaptive_avg_pool1d
+            over the real tokens).
+        key_padding_mask (torch.Tensor | None): bool (B, Nk), True = real key. Default: None.
+        query_padding_mask (torch.Tensor | None): bool (B, Nq), True = real query. Default: None, which
+            in a call with Nq == Nk (self-attention) means the key mask.
+        dropout_p (float): must be 0. Default: 0.0.
+        scale (float | None): logit scale, positive and finite. Default: D**-0.5.
+        pinv_iterations (int | None): steps of the pseudo-inverse iteration (paper: 6); None = exact pinv.
+            Default: 6.
+
+    Returns:
+        The output of shape (B, H, Nq, D) and q's dtype; rows of padded queries are zero.
     """
     cfg, pooling = _check(
         q, k, v, num_landmarks, key_padding_mask, query_padding_mask, dropout_p, scale, pinv_iterations

@@ -20,7 +20,22 @@ def sdpa_attention(
     is_causal: bool = False,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` with a bool key padding mask (B, Nk); padded query rows are zero."""
+    """``F.scaled_dot_product_attention`` behind the registry's op interface.
+
+    Args:
+        q (torch.Tensor): queries of shape (B, H, Nq, D).
+        k (torch.Tensor): keys of shape (B, Hkv, Nk, D); H must be a multiple of Hkv (GQA).
+        v (torch.Tensor): values of shape (B, Hkv, Nk, D).
+        key_padding_mask (torch.Tensor | None): bool (B, Nk), True = real key. Default: None.
+        query_padding_mask (torch.Tensor | None): bool (B, Nq), True = real query. Default: None, which
+            in a call with Nq == Nk (self-attention) means the key mask.
+        dropout_p (float): dropout on the attention probabilities. Default: 0.0.
+        is_causal (bool): causal attention (Nq == Nk). Default: False.
+        scale (float | None): logit scale, positive and finite. Default: D**-0.5.
+
+    Returns:
+        The output of shape (B, H, Nq, D) and q's dtype; rows of padded queries are zero.
+    """
     args = check_attention(
         q,
         k,

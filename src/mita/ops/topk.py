@@ -82,12 +82,21 @@ def topk_attention(
     """Query-specific top-k attention in O(chunk x Nk) memory.
 
     Args:
-        q: (B, H, Nq, D). k, v: (B, Hkv, Nk, D), H a multiple of Hkv.
-        topk: keys each query keeps (clamped to Nk); with topk >= Nk this is softmax attention.
-        key_padding_mask: bool (B, Nk), True = real key; padded keys are never kept.
-        query_padding_mask: bool (B, Nq), True = real query; default: the key mask if Nq == Nk (self-attention).
-        causal / is_causal: a query keeps only keys at or before its position (Nq == Nk).
-        chunk_size: queries per chunk; None picks one that bounds the chunk's memory.
+        q (torch.Tensor): queries of shape (B, H, Nq, D).
+        k (torch.Tensor): keys of shape (B, Hkv, Nk, D); H must be a multiple of Hkv (GQA).
+        v (torch.Tensor): values of shape (B, Hkv, Nk, D).
+        topk (int): keys each query keeps, clamped to Nk; with topk >= Nk this is softmax attention.
+        key_padding_mask (torch.Tensor | None): bool (B, Nk), True = real key. Default: None.
+        query_padding_mask (torch.Tensor | None): bool (B, Nq), True = real query. Default: None, which
+            in a call with Nq == Nk (self-attention) means the key mask.
+        dropout_p (float): dropout on the kept keys' probabilities. Default: 0.0.
+        scale (float | None): logit scale, positive and finite. Default: D**-0.5.
+        causal (bool): a query sees only keys at or before its position (needs Nq == Nk). Default: False.
+        is_causal (bool): the same, under SDPA's name (layers pass it). Default: False.
+        chunk_size (int | None): queries per chunk; None picks one that bounds the chunk's memory. Default: None.
+
+    Returns:
+        The output of shape (B, H, Nq, D) and q's dtype; rows of padded queries are zero.
     """
     cfg = check_attention(
         q,
