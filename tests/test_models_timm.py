@@ -150,8 +150,20 @@ def test_convert_refuses_to_drop_extras():
         ((None, "timm"), {"topk": 3}, ValueError, "takes no options"),
         ((None, "sdpa"), {"dwc": True}, ValueError, r"'sdpa' takes no options \['dwc'\]"),
         ((None, "mita"), {"grid": None, "dwc": True}, ValueError, "dwc=True needs a patch grid"),
+        ((None, "mita"), {"bogus": 1}, ValueError, r"convert\(\): attention 'mita' takes no options \['bogus'\]"),
+        ((None, "mita:bogus=2"), {}, ValueError, r"takes no options \['bogus'\]"),
     ],
-    ids=["not-module", "no-attention", "bad-attention-type", "unknown-name", "timm-options", "dwc-on-sdpa", "dwc-1d"],
+    ids=[
+        "not-module",
+        "no-attention",
+        "bad-attention-type",
+        "unknown-name",
+        "timm-options",
+        "dwc-on-sdpa",
+        "dwc-1d",
+        "bogus-option",
+        "bogus-config-option",
+    ],
 )
 def test_convert_errors(args, kwargs, error, match):
     args = tuple(tiny_vit() if a is None else a for a in args[:1]) + args[1:]

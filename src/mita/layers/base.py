@@ -78,7 +78,23 @@ def conv_values(
 
 
 class AttentionLayer(nn.Module):
-    """timm-compatible multi-head self-attention; subclasses implement :meth:`attend`."""
+    """timm-compatible multi-head self-attention; subclasses implement :meth:`attend`.
+
+    Args:
+        dim (int): token width C of the input (B, N, C).
+        num_heads (int): attention heads H. Default: 8.
+        attn_head_dim (int | None): D; None takes dim // num_heads. Default: None.
+        dim_out (int | None): output width; None takes dim. Default: None.
+        qkv_bias (bool): bias in the qkv projection. Default: False.
+        qk_norm (bool): normalise q and k per head with ``norm_layer``. Default: False.
+        scale_norm (bool): normalise the attention output with ``norm_layer``. Default: False.
+        proj_bias (bool): bias in the output projection. Default: True.
+        gated (bool): a sigmoid gate from x on the attention output. Default: False.
+        attn_drop (float): dropout on the attention probabilities in training. Default: 0.0.
+        proj_drop (float): dropout after the output projection. Default: 0.0.
+        norm_layer (type | None): the norm of ``qk_norm`` / ``scale_norm``. Default: None.
+        device, dtype: of the parameters. Default: None.
+    """
 
     supports_causal = False
 
