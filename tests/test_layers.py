@@ -82,3 +82,17 @@ def test_layers_run_causally_when_their_op_can(name):
     x2[:, 8:] = torch.randn(1, 4, 32)
     torch.testing.assert_close(layer(x2, is_causal=True)[:, :8], out[:, :8])
     assert not torch.allclose(layer(x), out)
+
+
+def test_layers_with_a_3d_grid_convolve_in_3d():
+    """Video layouts: pooling and the depth-wise convolution of V over (gt, gh, gw); no agent bias in 3-D."""
+    from mita.layers import MiTAVisionAttention
+
+    x = torch.randn(2, 1 + 2 * 3 * 3, 16)
+    agent = AgentAttention(16, 2, num_agents=(1, 1, 2), grid=(2, 3, 3), num_prefix_tokens=1, dwc=True)
+    vision = MiTAVisionAttention(16, 2, num_landmarks=(1, 1, 2), topk=3, grid=(2, 3, 3), num_prefix_tokens=1, dwc=True)
+    for layer in (agent, vision):
+        assert isinstance(layer.dwc, torch.nn.Conv3d)
+        assert layer(x).shape == x.shape
+    with pytest.raises(ValueError, match="agent_bias is defined on 1-D and 2-D layouts"):
+        AgentAttention(16, 2, grid=(2, 3, 3), agent_bias=True)
