@@ -166,11 +166,19 @@ def test_unknown_method_gives_the_registry_error(tmp_path: Path, capsys) -> None
         (["--resume"], "--resume"),
     ],
     ids=[
-        "sweep-no-values", "sweep-unknown-option", "cap-not-a-number", "cap-unknown-method", "option-not-taken",
-        "vision-fixed-lengths", "quick-and-preset", "batch-zero", "device-unknown", "repeats-inverted",
+        "sweep-no-values",
+        "sweep-unknown-option",
+        "cap-not-a-number",
+        "cap-unknown-method",
+        "option-not-taken",
+        "vision-fixed-lengths",
+        "quick-and-preset",
+        "batch-zero",
+        "device-unknown",
+        "repeats-inverted",
         "resume-without-out",
     ],
-)  # fmt: skip
+)
 def test_bad_arguments_are_named(tmp_path: Path, capsys, args: list[str], message: str) -> None:
     out = ["--out", str(tmp_path / "x")] if "--resume" not in args else []
     assert main(["bench", *args, *out]) == 2
@@ -202,9 +210,12 @@ def test_every_registered_method_is_benchmarked_by_default() -> None:
 def test_sweeps_expand_only_the_methods_that_take_the_option() -> None:
     series = bench.expand_series(["mita", "sdpa"], "sdpa", {"topk": [4, 8], "num_routed": [1, 2]})
     assert [s.label for s in series] == [
-        "sdpa", "mita:num_routed=1,topk=4", "mita:num_routed=2,topk=4", "mita:num_routed=1,topk=8",
+        "sdpa",
+        "mita:num_routed=1,topk=4",
+        "mita:num_routed=2,topk=4",
+        "mita:num_routed=1,topk=8",
         "mita:num_routed=2,topk=8",
-    ]  # fmt: skip
+    ]
     options = series[1].options_at(bench.PRESETS["quick"], 128)  # user and sweep options over the preset's
     assert options == {"num_landmarks": 8, "topk": 4, "num_routed": 1}
 

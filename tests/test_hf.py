@@ -82,10 +82,19 @@ def test_bert_trains_a_step():
 
 @pytest.mark.parametrize(
     "config",
-    [bert_config(is_decoder=True), LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
-                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)],
+    [
+        bert_config(is_decoder=True),
+        LlamaConfig(
+            vocab_size=50,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        ),
+    ],
     ids=["bert-decoder", "llama"],
-)  # fmt: skip
+)
 def test_causal_models_get_a_clear_error(config):
     model = AutoModel.from_config(config, attn_implementation="mita")
     with pytest.raises(ValueError, match="no causal form yet"):

@@ -75,10 +75,14 @@ def test_listops_tokenizer_keeps_the_closing_bracket():
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [({"num_train": -1}, "num_train"), ({"min_length": 50, "max_length": 10}, "min_length"),
-     ({"max_args": 1}, "max_args"), ({"leaf_prob": 1.0}, "leaf_prob")],
+    [
+        ({"num_train": -1}, "num_train"),
+        ({"min_length": 50, "max_length": 10}, "min_length"),
+        ({"max_args": 1}, "max_args"),
+        ({"leaf_prob": 1.0}, "leaf_prob"),
+    ],
     ids=["negative-count", "empty-window", "arity", "leaf-prob"],
-)  # fmt: skip
+)
 def test_listops_spec_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         listops.ListOpsSpec(**kwargs)
@@ -102,10 +106,13 @@ def test_listops_loader(listops_dir):
 
 @pytest.mark.parametrize(
     "content, match",
-    [("Text\tLabel\n( [MAX 1 ] )\t1\n", "header"), ("Source\tTarget\n( ( [MAX 1 ) ] )\t12\n", "line 2"),
-     ("Source\tTarget\n( ( [MAX 1 ) ] )\n", "2 tab-separated")],
+    [
+        ("Text\tLabel\n( [MAX 1 ] )\t1\n", "header"),
+        ("Source\tTarget\n( ( [MAX 1 ) ] )\t12\n", "line 2"),
+        ("Source\tTarget\n( ( [MAX 1 ) ] )\n", "2 tab-separated"),
+    ],
     ids=["bad-header", "bad-target", "missing-field"],
-)  # fmt: skip
+)
 def test_listops_loader_errors(tmp_path, content, match):
     for split in loaders.SPLITS:
         (tmp_path / f"basic_{split}.tsv").write_text(content)

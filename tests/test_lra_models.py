@@ -14,8 +14,17 @@ MITA = "mita:num_landmarks=4,topk=4"
 
 
 def small(attention="sdpa", **kw):
-    args = dict(vocab_size=12, max_length=24, dim=16, depth=2, num_heads=2, mlp_dim=32, attention=attention,
-                dropout=0.0, attn_dropout=0.0)  # fmt: skip
+    args = dict(
+        vocab_size=12,
+        max_length=24,
+        dim=16,
+        depth=2,
+        num_heads=2,
+        mlp_dim=32,
+        attention=attention,
+        dropout=0.0,
+        attn_dropout=0.0,
+    )
     return Classifier(num_classes=3, **{**args, **kw}).eval()
 
 
@@ -69,10 +78,14 @@ def test_sinusoidal_table():
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [({"pooling": "max"}, "pooling"), ({"positions": "rope"}, "positions"), ({"depth": 0}, "depth"),
-     ({"attention": "nope"}, "not a registered attention")],
+    [
+        ({"pooling": "max"}, "pooling"),
+        ({"positions": "rope"}, "positions"),
+        ({"depth": 0}, "depth"),
+        ({"attention": "nope"}, "not a registered attention"),
+    ],
     ids=["pooling", "positions", "depth", "attention"],
-)  # fmt: skip
+)
 def test_model_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Encoder(vocab_size=12, max_length=8, **kwargs)

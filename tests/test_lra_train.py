@@ -40,8 +40,9 @@ def tiny_config(**train):
     config = load_config("listops", "small")
     config["data"]["loader"] = {"max_length": 40}
     config["model"].update(dim=16, depth=1, num_heads=2, mlp_dim=32, head_dim=8)
-    defaults = dict(batch_size=8, steps=6, warmup=2, eval_every=3, checkpoint_every=2, log_every=2,
-                    eval_batch_size=8, lr=1e-3)  # fmt: skip
+    defaults = dict(
+        batch_size=8, steps=6, warmup=2, eval_every=3, checkpoint_every=2, log_every=2, eval_batch_size=8, lr=1e-3
+    )
     config["train"].update({**defaults, **train})
     return config
 
@@ -61,10 +62,18 @@ def assert_same(a, b, exact=True):
 
 @pytest.mark.parametrize(
     "step, schedule, expected",
-    [(0, "linear", 0.25), (3, "linear", 1.0), (7, "linear", 0.5), (11, "linear", 0.0), (7, "cosine", 0.5),
-     (1, "rsqrt", 0.5 / 2), (15, "rsqrt", 0.25), (9, "constant", 1.0)],
+    [
+        (0, "linear", 0.25),
+        (3, "linear", 1.0),
+        (7, "linear", 0.5),
+        (11, "linear", 0.0),
+        (7, "cosine", 0.5),
+        (1, "rsqrt", 0.5 / 2),
+        (15, "rsqrt", 0.25),
+        (9, "constant", 1.0),
+    ],
     ids=["warmup", "peak", "linear-mid", "linear-end", "cosine-mid", "rsqrt-warmup", "rsqrt-decay", "constant"],
-)  # fmt: skip
+)
 def test_lr_factor(step, schedule, expected):
     assert math.isclose(T.lr_factor(step, schedule, warmup=4, total=12), expected)
 
@@ -104,9 +113,26 @@ def test_killed_run_resumes_exactly(tmp_path, data_dir, data):
     cfg_file = tmp_path / "config.json"
     cfg_file.write_text(json.dumps(config))
     run = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "mita.lra", "train", "--task", "listops", "--config", str(cfg_file), "--data",
-           str(data_dir), "--attention", MITA, "--run-dir", str(run), "--no-progress", "--no-tensorboard",
-           "--device", "cpu"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "mita.lra",
+        "train",
+        "--task",
+        "listops",
+        "--config",
+        str(cfg_file),
+        "--data",
+        str(data_dir),
+        "--attention",
+        MITA,
+        "--run-dir",
+        str(run),
+        "--no-progress",
+        "--no-tensorboard",
+        "--device",
+        "cpu",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 120
     while not (run / T.CHECKPOINT).exists() and proc.poll() is None and time.time() < deadline:
@@ -139,10 +165,36 @@ def test_ddp_two_processes_match_one(tmp_path, data_dir, data):
     config["model"].update(dropout=0.0, attn_dropout=0.0)
     cfg_file = tmp_path / "config.json"
     cfg_file.write_text(json.dumps(config))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", "mita.lra", "train",
-           "--task", "listops", "--config", str(cfg_file), "--data", str(data_dir), "--attention", MITA,
-           "--run-dir", str(tmp_path / "ddp"), "--no-progress", "--no-tensorboard", "--device", "cpu"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        "-m",
+        "mita.lra",
+        "train",
+        "--task",
+        "listops",
+        "--config",
+        str(cfg_file),
+        "--data",
+        str(data_dir),
+        "--attention",
+        MITA,
+        "--run-dir",
+        str(tmp_path / "ddp"),
+        "--no-progress",
+        "--no-tensorboard",
+        "--device",
+        "cpu",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -176,8 +228,9 @@ def test_train_config_errors(tmp_path, data, update, match):
 
 
 def test_bf16_autocast_trains_on_cpu(tmp_path, data):
-    summary = T.train(tiny_config(steps=2, precision="bf16"), data, tmp_path / "bf16", MITA, progress=False,
-                      tensorboard=False)  # fmt: skip
+    summary = T.train(
+        tiny_config(steps=2, precision="bf16"), data, tmp_path / "bf16", MITA, progress=False, tensorboard=False
+    )
     assert summary["finished"] and all(torch.isfinite(w).all() for w in weights(tmp_path / "bf16").values())
 
 
@@ -201,8 +254,20 @@ def test_eval_swaps_attention_and_options(tmp_path, data):
 def test_cli_train_eval_and_refusals(tmp_path, data_dir, capsys):
     run = str(tmp_path / "cli")
     base = ["--task", "listops", "--variant", "small", "--data", str(data_dir), "--device", "cpu"]
-    sets = ["--set", "data.loader={'max_length': 40}", "--set", "train.steps=2", "--set", "train.batch_size=8",
-            "--set", "model.dim=16", "--set", "model.mlp_dim=16", "--set", "model.head_dim=8"]  # fmt: skip
+    sets = [
+        "--set",
+        "data.loader={'max_length': 40}",
+        "--set",
+        "train.steps=2",
+        "--set",
+        "train.batch_size=8",
+        "--set",
+        "model.dim=16",
+        "--set",
+        "model.mlp_dim=16",
+        "--set",
+        "model.head_dim=8",
+    ]
     assert cli_main(["lra", "train", *base, *sets, "--run-dir", run, "--no-progress", "--attention", MITA]) == 0
     assert (tmp_path / "cli" / "tb").is_dir() and (tmp_path / "cli" / "summary.json").exists()
     assert cli_main(["lra", "train", *base, *sets, "--run-dir", run, "--no-progress"]) == 2
@@ -223,14 +288,42 @@ def test_cli_generate_and_speed(tmp_path, capsys):
     assert cli_main(args) == 2 and "overwrite" in capsys.readouterr().err
     pf = "data.generate={'size': 32, 'contour_length': 6, 'num_distractors': 0, 'num_samples': 4, 'seed': 2}"
     grid = tmp_path / "grid.png"
-    assert cli_main(["lra", "generate", "--task", "pathfinder", "--out", str(tmp_path / "pf"), "--set", pf, "--grid",
-                     str(grid)]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            ["lra", "generate", "--task", "pathfinder", "--out", str(tmp_path / "pf"), "--set", pf, "--grid", str(grid)]
+        )
+        == 0
+    )
     assert grid.exists() and len(list((tmp_path / "pf").rglob("*.png"))) == 4
     assert cli_main(["lra", "generate", "--task", "text", "--out", str(tmp_path / "t")]) == 2
     assert "no generator" in capsys.readouterr().err
     out = tmp_path / "speed.csv"
     small = ["--set", "model.dim=16", "--set", "model.mlp_dim=16", "--set", "model.head_dim=8"]
-    assert cli_main(["lra", "speed", "--task", "listops", *small, "--attention", "sdpa", MITA, "--lengths", "16", "32",
-                     "--batch-size", "2", "--steps", "1", "--mode", "eval", "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "lra",
+                "speed",
+                "--task",
+                "listops",
+                *small,
+                "--attention",
+                "sdpa",
+                MITA,
+                "--lengths",
+                "16",
+                "32",
+                "--batch-size",
+                "2",
+                "--steps",
+                "1",
+                "--mode",
+                "eval",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = out.read_text().splitlines()
     assert rows[0].startswith("attention,length,mode") and len(rows) == 5

@@ -186,10 +186,18 @@ def new_row(series: Series, options: Mapping[str, Any], case: Case, mode: str, s
     """The row of a point before it is measured: what, where, and the options of the call."""
     row = dict.fromkeys(FIELDS, "")
     row.update(
-        session=session, device=case.device, dtype=case.dtype, batch=str(case.batch), heads=str(case.heads),
-        head_dim=str(case.head_dim), series=series.label, method=series.method.name,
-        options=format_options(options), n=str(case.n), mode=mode,
-    )  # fmt: skip
+        session=session,
+        device=case.device,
+        dtype=case.dtype,
+        batch=str(case.batch),
+        heads=str(case.heads),
+        head_dim=str(case.head_dim),
+        series=series.label,
+        method=series.method.name,
+        options=format_options(options),
+        n=str(case.n),
+        mode=mode,
+    )
     flops = attention.flops({"name": series.method.name, **options}, case.n, case.head_dim)
     row["model_flops"] = fmt(None if flops is None else flops * case.batch * case.heads)
     return row
@@ -199,20 +207,30 @@ def measure_row(row: Row, options: Mapping[str, Any], case: Case, settings: Sett
     """Measure the point of ``row`` (made by :func:`new_row`); the ratios to the baseline are not set."""
     op = attention.build_op({"name": row["method"], **options})
     m = measure(
-        op, case, row["mode"], budget_s=settings.budget_s, warmup=settings.warmup,
-        min_repeats=settings.min_repeats, max_repeats=settings.max_repeats, memory=settings.memory,
+        op,
+        case,
+        row["mode"],
+        budget_s=settings.budget_s,
+        warmup=settings.warmup,
+        min_repeats=settings.min_repeats,
+        max_repeats=settings.max_repeats,
+        memory=settings.memory,
         seed=settings.seed,
-    )  # fmt: skip
+    )
     if settings.profile_dir is not None:
         name = re.sub(r"[^\w.=-]+", "_", f"{row['series']}-N{case.n}-{row['mode']}") + ".txt"
         settings.profile_dir.mkdir(exist_ok=True)
         (settings.profile_dir / name).write_text(op_profile(op, case, row["mode"], seed=settings.seed))
     return {
-        **row, "status": OK, "median_s": fmt(m.median_s), "repeats": str(m.repeats),
-        "tokens_per_s": fmt(case.batch * case.n / m.median_s), "peak_bytes": fmt(m.peak_bytes),
+        **row,
+        "status": OK,
+        "median_s": fmt(m.median_s),
+        "repeats": str(m.repeats),
+        "tokens_per_s": fmt(case.batch * case.n / m.median_s),
+        "peak_bytes": fmt(m.peak_bytes),
         "reference_bytes": fmt(m.reference_bytes),
         "memory_ratio": fmt(m.peak_bytes / m.reference_bytes if m.peak_bytes is not None else None),
-    }  # fmt: skip
+    }
 
 
 def add_ratios(row: Row, baseline_row: Row | None) -> Row:
@@ -340,9 +358,13 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
     settings = Settings(
-        budget_s=preset.budget_s if args.budget is None else args.budget, warmup=args.warmup,
-        min_repeats=args.min_repeats, max_repeats=args.max_repeats, memory=not args.no_memory, seed=args.seed,
-    )  # fmt: skip
+        budget_s=preset.budget_s if args.budget is None else args.budget,
+        warmup=args.warmup,
+        min_repeats=args.min_repeats,
+        max_repeats=args.max_repeats,
+        memory=not args.no_memory,
+        seed=args.seed,
+    )
     if settings.budget_s < 0 or settings.warmup < 0 or settings.max_repeats < settings.min_repeats:
         raise ValueError("--budget and --warmup must be >= 0, and --max-repeats >= --min-repeats")
     return Plan(

@@ -16,10 +16,30 @@ from pathlib import Path
 import torch
 
 FIELDS = (
-    "session", "device", "dtype", "batch", "heads", "head_dim", "series", "method", "options", "n", "mode",
-    "status", "median_s", "repeats", "tokens_per_s", "peak_bytes", "reference_bytes", "memory_ratio",
-    "model_flops", "speedup", "ideal_speedup", "fraction_of_ideal", "baseline_session",
-)  # fmt: skip
+    "session",
+    "device",
+    "dtype",
+    "batch",
+    "heads",
+    "head_dim",
+    "series",
+    "method",
+    "options",
+    "n",
+    "mode",
+    "status",
+    "median_s",
+    "repeats",
+    "tokens_per_s",
+    "peak_bytes",
+    "reference_bytes",
+    "memory_ratio",
+    "model_flops",
+    "speedup",
+    "ideal_speedup",
+    "fraction_of_ideal",
+    "baseline_session",
+)
 OK = "ok"
 Row = dict[str, str]
 

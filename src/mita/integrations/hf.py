@@ -109,9 +109,15 @@ def mita_mask(
     if mask_function is bidirectional_mask_function and q_offset == 0 and kv_offset == 0:
         return None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
     return sdpa_mask(
-        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
-        mask_function=mask_function, attention_mask=attention_mask, **kwargs,
-    )  # fmt: skip
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        **kwargs,
+    )
 
 
 def mita_attention_forward(
@@ -145,9 +151,15 @@ def mita_attention_forward(
     if not cross and mask is not None and Nq == key.shape[2]:
         query_mask = mask
     out = mita_attention(
-        query, key, value, **mita_options(config, Nq), key_padding_mask=mask, query_padding_mask=query_mask,
-        scale=scaling, dropout_p=dropout,
-    )  # fmt: skip
+        query,
+        key,
+        value,
+        **mita_options(config, Nq),
+        key_padding_mask=mask,
+        query_padding_mask=query_mask,
+        scale=scaling,
+        dropout_p=dropout,
+    )
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -82,9 +82,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     ctx = init_distributed(args.device)
     data = _data(args, config)
     summary = train(
-        config, data, args.run_dir, attention=args.attention, resume=args.resume, stop_after=args.stop_after,
-        time_limit=args.time_limit, progress=not args.no_progress, tensorboard=not args.no_tensorboard, ctx=ctx,
-    )  # fmt: skip
+        config,
+        data,
+        args.run_dir,
+        attention=args.attention,
+        resume=args.resume,
+        stop_after=args.stop_after,
+        time_limit=args.time_limit,
+        progress=not args.no_progress,
+        tensorboard=not args.no_tensorboard,
+        ctx=ctx,
+    )
     if ctx.main:
         print(json.dumps(summary, indent=2))
     return 0
@@ -98,9 +106,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     ctx = init_distributed(args.device)
     config = _config(args)
     result = evaluate_checkpoint(
-        args.checkpoint, _data(args, config), attention=args.attention, options=_options(args.option),
-        split=args.split, batch_size=args.batch_size, ctx=ctx,
-    )  # fmt: skip
+        args.checkpoint,
+        _data(args, config),
+        attention=args.attention,
+        options=_options(args.option),
+        split=args.split,
+        batch_size=args.batch_size,
+        ctx=ctx,
+    )
     if ctx.main:
         text = json.dumps(result, indent=2)
         print(text)
@@ -118,12 +131,24 @@ def cmd_speed(args: argparse.Namespace) -> int:
     _refuse_overwrite(out, args.overwrite)
     config = _config(args)
     classes = {"listops": 10, "image": 10}.get(args.task, 2)
-    meta = {"vocab_size": len(listops.VOCAB) if args.task == "listops" else 257, "num_classes": classes,
-            "max_length": max(args.lengths), "dual": args.task == "retrieval"}  # fmt: skip
+    meta = {
+        "vocab_size": len(listops.VOCAB) if args.task == "listops" else 257,
+        "num_classes": classes,
+        "max_length": max(args.lengths),
+        "dual": args.task == "retrieval",
+    }
     rows = []
     for attention in args.attention:
-        for row in speed(config, meta, attention, args.lengths, args.batch_size, args.steps, mode=args.mode,
-                         device=args.device or "cpu"):  # fmt: skip
+        for row in speed(
+            config,
+            meta,
+            attention,
+            args.lengths,
+            args.batch_size,
+            args.steps,
+            mode=args.mode,
+            device=args.device or "cpu",
+        ):
             print(json.dumps(row))
             rows.append(row)
     if out is not None:
@@ -139,8 +164,13 @@ def _common(p: argparse.ArgumentParser, data: bool = True) -> None:
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--variant", default="cpu", help="named configuration: lra, small or cpu (default cpu)")
     p.add_argument("--config", help="a JSON configuration file instead of the packaged one")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one configuration value, e.g. train.steps=200 (repeatable)")  # fmt: skip
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one configuration value, e.g. train.steps=200 (repeatable)",
+    )
     if data:
         p.add_argument("--data", required=True, help="folder of the task's files (see docs/lra.md)")
         p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if available)")
@@ -160,8 +190,12 @@ def _guard(func):
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("lra", help="Long Range Arena: generate data, train, evaluate, time",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = sub.add_parser(
+        "lra",
+        help="Long Range Arena: generate data, train, evaluate, time",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     lra = p.add_subparsers(dest="lra_command", required=True, metavar="SUBCOMMAND")
 
     g = lra.add_parser("generate", help="write generated ListOps / Pathfinder / Path-X data in the LRA layout")
@@ -187,8 +221,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _common(e)
     e.add_argument("--checkpoint", required=True, help="a run folder (its best.pt) or a .pt file")
     e.add_argument("--attention", help="evaluate with this attention instead of the trained one (swap)")
-    e.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="attention option at evaluation, e.g. num_landmarks=128 (repeatable)")  # fmt: skip
+    e.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="attention option at evaluation, e.g. num_landmarks=128 (repeatable)",
+    )
     e.add_argument("--split", default="test", choices=["train", "val", "test"])
     e.add_argument("--batch-size", type=int)
     e.add_argument("--out", help="also write the result as JSON here")

@@ -30,14 +30,27 @@ def _prefix_option(config: registry.Config, num_prefix: int) -> registry.Config:
 class Block(nn.Module):
     """Pre-norm Transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, dim: int, num_heads: int, mlp_dim: int, attention: registry.Config, head_dim: int | None,
-                 dropout: float, attn_dropout: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        mlp_dim: int,
+        attention: registry.Config,
+        head_dim: int | None,
+        dropout: float,
+        attn_dropout: float,
+    ) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
         self.attn = registry.build_layer(
-            attention, dim, num_heads, attn_head_dim=head_dim, qkv_bias=True, attn_drop=attn_dropout,
+            attention,
+            dim,
+            num_heads,
+            attn_head_dim=head_dim,
+            qkv_bias=True,
+            attn_drop=attn_dropout,
             proj_drop=dropout,
-        )  # fmt: skip
+        )
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(
             nn.Linear(dim, mlp_dim), nn.GELU(), nn.Dropout(dropout), nn.Linear(mlp_dim, dim), nn.Dropout(dropout)

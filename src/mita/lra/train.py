@@ -92,9 +92,13 @@ def lr_factor(step: int, schedule: str, warmup: int, total: int) -> float:
 def build_model(config: dict[str, Any], data_meta: dict[str, Any], attention: Any) -> Classifier:
     """The classifier for a task's metadata (vocab, classes, length, dual) and the config's model section."""
     return Classifier(
-        num_classes=data_meta["num_classes"], dual=data_meta["dual"], vocab_size=data_meta["vocab_size"],
-        max_length=data_meta["max_length"], attention=attention, **config["model"],
-    )  # fmt: skip
+        num_classes=data_meta["num_classes"],
+        dual=data_meta["dual"],
+        vocab_size=data_meta["vocab_size"],
+        max_length=data_meta["max_length"],
+        attention=attention,
+        **config["model"],
+    )
 
 
 def meta_of(data: TaskData) -> dict[str, Any]:
@@ -126,9 +130,13 @@ def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContex
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, split: Split, batch_size: int, ctx: Dist, precision: str = "fp32",
+    model: torch.nn.Module,
+    split: Split,
+    batch_size: int,
+    ctx: Dist,
+    precision: str = "fp32",
     max_samples: int | None = None,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """Loss, accuracy and throughput (samples/s) on ``split`` (sharded over ranks)."""
     was_training = model.training
     model.eval()
@@ -149,9 +157,10 @@ def evaluate(
     loss, correct, seconds_sum = ctx.all_sum([loss, correct, seconds])
     model.train(was_training)
     return {
-        "loss": loss / max(n, 1), "accuracy": correct / max(n, 1),
+        "loss": loss / max(n, 1),
+        "accuracy": correct / max(n, 1),
         "samples_per_s": n / max(seconds_sum / ctx.world, 1e-9),
-    }  # fmt: skip
+    }
 
 
 def batch_indices(num_samples: int, global_batch: int, seed: int, step: int) -> torch.Tensor:
@@ -286,8 +295,12 @@ def train(
 
     torch.manual_seed(int(tc["seed"]))
     model = build_model(config, meta_of(data), attention).to(ctx.device)
-    opt = torch.optim.AdamW(model.parameters(), lr=float(tc["lr"]), weight_decay=float(tc["weight_decay"]),
-                            betas=tuple(tc.get("betas", (0.9, 0.999))))  # fmt: skip
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=float(tc["lr"]),
+        weight_decay=float(tc["weight_decay"]),
+        betas=tuple(tc.get("betas", (0.9, 0.999))),
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, tc["schedule"], int(tc["warmup"]), steps))
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=tc.get("precision", "fp32") == "fp16")
     step, best, train_seconds = 0, -1.0, 0.0
@@ -310,18 +323,29 @@ def train(
 
     def checkpoint(path: Path) -> None:
         if ctx.main:
-            save_atomic({
-                "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "scaler": scaler.state_dict(), "step": step, "best_val": best, "train_seconds": train_seconds,
-                "rng": _rng_state(), "config": config, "attention": attention, "meta": meta_of(data),
-                "world_size": ctx.world,
-            }, path)  # fmt: skip
+            save_atomic(
+                {
+                    "model": model.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "scheduler": sched.state_dict(),
+                    "scaler": scaler.state_dict(),
+                    "step": step,
+                    "best_val": best,
+                    "train_seconds": train_seconds,
+                    "rng": _rng_state(),
+                    "config": config,
+                    "attention": attention,
+                    "meta": meta_of(data),
+                    "world_size": ctx.world,
+                },
+                path,
+            )
 
     def run_eval(split: str) -> dict[str, float]:
-        res = evaluate(model, data.splits[split], int(tc["eval_batch_size"]), ctx, precision,
-                       tc.get("eval_samples"))  # fmt: skip
-        logger.log({"step": step, "epoch": step / max(per_epoch, 1), "split": split, **res,
-                    "train_seconds": train_seconds})  # fmt: skip
+        res = evaluate(model, data.splits[split], int(tc["eval_batch_size"]), ctx, precision, tc.get("eval_samples"))
+        logger.log(
+            {"step": step, "epoch": step / max(per_epoch, 1), "split": split, **res, "train_seconds": train_seconds}
+        )
         return res
 
     bar = tqdm(total=steps, initial=step, disable=not (progress and ctx.main), desc=f"train {attention}")
@@ -366,12 +390,22 @@ def train(
             window[key] += value
         bar.update(1)
         if step % int(tc["log_every"]) == 0 or step == steps:
-            row = {"loss": window["loss"] / window["count"], "accuracy": window["correct"] / window["count"],
-                   "samples_per_s": window["count"] / max(window["seconds"], 1e-9)}  # fmt: skip
-            bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.3f}",
-                            sps=f"{row['samples_per_s']:.1f}")  # fmt: skip
-            logger.log({"step": step, "epoch": step / per_epoch, "split": "train", "lr": sched.get_last_lr()[0],
-                        "train_seconds": train_seconds, **row})  # fmt: skip
+            row = {
+                "loss": window["loss"] / window["count"],
+                "accuracy": window["correct"] / window["count"],
+                "samples_per_s": window["count"] / max(window["seconds"], 1e-9),
+            }
+            bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.3f}", sps=f"{row['samples_per_s']:.1f}")
+            logger.log(
+                {
+                    "step": step,
+                    "epoch": step / per_epoch,
+                    "split": "train",
+                    "lr": sched.get_last_lr()[0],
+                    "train_seconds": train_seconds,
+                    **row,
+                }
+            )
             window = dict.fromkeys(window, 0.0)
         if step % int(tc["eval_every"]) == 0 or step == steps:
             res = run_eval("val")
@@ -383,8 +417,14 @@ def train(
     bar.close()
     if stopped:
         checkpoint(run_dir / CHECKPOINT)
-    summary: dict[str, Any] = {"step": step, "steps": steps, "finished": step >= steps, "attention": attention,
-                               "best_val_accuracy": best, "train_seconds": train_seconds}  # fmt: skip
+    summary: dict[str, Any] = {
+        "step": step,
+        "steps": steps,
+        "finished": step >= steps,
+        "attention": attention,
+        "best_val_accuracy": best,
+        "train_seconds": train_seconds,
+    }
     if step >= steps:
         final = run_eval("test")
         summary.update(test_accuracy_last=final["accuracy"], test_samples_per_s=final["samples_per_s"])
@@ -392,8 +432,9 @@ def train(
             best_model = torch.load(run_dir / BEST, map_location="cpu", weights_only=False)
             live = model.state_dict()
             model.load_state_dict(best_model["model"])
-            summary["test_accuracy_best_val"] = evaluate(model, data.splits["test"], int(tc["eval_batch_size"]),
-                                                         ctx, precision)["accuracy"]  # fmt: skip
+            summary["test_accuracy_best_val"] = evaluate(
+                model, data.splits["test"], int(tc["eval_batch_size"]), ctx, precision
+            )["accuracy"]
             model.load_state_dict(live)
     if ctx.main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -429,17 +470,33 @@ def evaluate_checkpoint(
     if options:
         set_attention_options(model, **options)
     tc = state["config"]["train"]
-    res = evaluate(model, data.splits[split], batch_size or int(tc["eval_batch_size"]), ctx,
-                   tc.get("precision", "fp32"))  # fmt: skip
-    return {"checkpoint": str(path), "step": state["step"], "trained_with": state["attention"], "attention": used,
-            "options": options or {}, "split": split, **res, "missing_keys": missing,
-            "unexpected_keys": unexpected}  # fmt: skip
+    res = evaluate(
+        model, data.splits[split], batch_size or int(tc["eval_batch_size"]), ctx, tc.get("precision", "fp32")
+    )
+    return {
+        "checkpoint": str(path),
+        "step": state["step"],
+        "trained_with": state["attention"],
+        "attention": used,
+        "options": options or {},
+        "split": split,
+        **res,
+        "missing_keys": missing,
+        "unexpected_keys": unexpected,
+    }
 
 
 def speed(
-    config: dict[str, Any], meta: dict[str, Any], attention: Any, lengths: list[int], batch_size: int,
-    steps: int = 5, warmup: int = 1, mode: str = "train", device: str = "cpu",
-) -> Iterator[dict[str, Any]]:  # fmt: skip
+    config: dict[str, Any],
+    meta: dict[str, Any],
+    attention: Any,
+    lengths: list[int],
+    batch_size: int,
+    steps: int = 5,
+    warmup: int = 1,
+    mode: str = "train",
+    device: str = "cpu",
+) -> Iterator[dict[str, Any]]:
     """Seconds per step (``mode="train"``: forward, backward, optimizer step) or inference
     samples/s (``mode="eval"``) of the config's model on random tokens at each length."""
     if mode not in ("train", "eval"):
@@ -466,6 +523,11 @@ def speed(
             if i >= warmup:
                 times.append(time.perf_counter() - start)
         median = float(np.median(times))
-        yield {"attention": attention if isinstance(attention, str) else json.dumps(attention), "length": n,
-               "mode": mode, "batch_size": batch_size, "seconds_per_step": median,
-               "samples_per_s": batch_size / median}  # fmt: skip
+        yield {
+            "attention": attention if isinstance(attention, str) else json.dumps(attention),
+            "length": n,
+            "mode": mode,
+            "batch_size": batch_size,
+            "seconds_per_step": median,
+            "samples_per_s": batch_size / median,
+        }

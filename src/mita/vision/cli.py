@@ -44,16 +44,18 @@ def _flops(args: argparse.Namespace) -> int:
     sweep = flops.length_sweep()
     at512 = {r["model"]: r["reduction (%)"] for r in rows if r["N"] == 1025}
     claim = ", ".join(f"{name} {value:.1f}%" for name, value in at512.items())
-    text = "\n".join([
-        "## FLOPs and parameters, full attention vs MiTA (batch 1, FLOPs = 2 x MACs)",
-        "",
-        flops.markdown_table(rows),
-        f"Reduction at 512x512 (backbone only), measured: {claim}. The paper: {flops.PAPER_CLAIM}.",
-        "",
-        "## FLOPs against sequence length (ViT-S backbone, m = k = 49)",
-        "",
-        flops.markdown_table(sweep),
-    ])  # fmt: skip
+    text = "\n".join(
+        [
+            "## FLOPs and parameters, full attention vs MiTA (batch 1, FLOPs = 2 x MACs)",
+            "",
+            flops.markdown_table(rows),
+            f"Reduction at 512x512 (backbone only), measured: {claim}. The paper: {flops.PAPER_CLAIM}.",
+            "",
+            "## FLOPs against sequence length (ViT-S backbone, m = k = 49)",
+            "",
+            flops.markdown_table(sweep),
+        ]
+    )
     print(text)
     if args.out:
         from .experiments import prepare_output, pyplot
@@ -94,8 +96,9 @@ def _robustness(args: argparse.Namespace) -> int:
     from .experiments import prepare_output, run_robustness
 
     out = prepare_output(args.out, args.force)
-    run_robustness(out, _setup(args, args.train_attention), tuple(args.m), tuple(args.k), command_line(args),
-                   force=args.force)  # fmt: skip
+    run_robustness(
+        out, _setup(args, args.train_attention), tuple(args.m), tuple(args.k), command_line(args), force=args.force
+    )
     print(f"wrote {out / 'report.md'}")
     return 0
 

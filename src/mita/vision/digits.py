@@ -70,9 +70,17 @@ def make_vit(setup: DigitsSetup) -> nn.Module:
 
     torch.manual_seed(setup.seed)
     model = VisionTransformer(
-        img_size=4 * GRID, patch_size=4, in_chans=1, num_classes=10, embed_dim=setup.embed_dim,
-        depth=setup.depth, num_heads=setup.num_heads, mlp_ratio=2.0, qkv_bias=True, global_pool="avg",
-    )  # fmt: skip
+        img_size=4 * GRID,
+        patch_size=4,
+        in_chans=1,
+        num_classes=10,
+        embed_dim=setup.embed_dim,
+        depth=setup.depth,
+        num_heads=setup.num_heads,
+        mlp_ratio=2.0,
+        qkv_bias=True,
+        global_pool="avg",
+    )
     return convert(model, setup.attention) if setup.attention != "sdpa" else model
 
 
@@ -80,8 +88,10 @@ def make_vit(setup: DigitsSetup) -> nn.Module:
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256) -> float:
     """Top-1 accuracy in [0, 1]."""
     model.eval()
-    correct = sum(int((model(x[i : i + batch_size]).argmax(-1) == y[i : i + batch_size]).sum())
-                  for i in range(0, len(y), batch_size))  # fmt: skip
+    correct = sum(
+        int((model(x[i : i + batch_size]).argmax(-1) == y[i : i + batch_size]).sum())
+        for i in range(0, len(y), batch_size)
+    )
     return correct / len(y)
 
 
@@ -145,8 +155,14 @@ def train(
             total += float(loss.detach()) * len(batch)
         seconds += time.perf_counter() - t0
         if checkpoint is not None:
-            state = {"setup": asdict(setup), "model": model.state_dict(), "opt": opt.state_dict(),
-                     "sched": sched.state_dict(), "epoch": epoch + 1, "seconds": seconds}  # fmt: skip
+            state = {
+                "setup": asdict(setup),
+                "model": model.state_dict(),
+                "opt": opt.state_dict(),
+                "sched": sched.state_dict(),
+                "epoch": epoch + 1,
+                "seconds": seconds,
+            }
             torch.save(state, checkpoint.with_suffix(".tmp"))
             checkpoint.with_suffix(".tmp").replace(checkpoint)
         log(f"{setup.attention} epoch {epoch + 1}/{setup.epochs}: loss {total / len(order):.4f}")

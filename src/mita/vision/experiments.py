@@ -119,9 +119,14 @@ def mita_layers(model: torch.nn.Module) -> list[MiTAAttention]:
 
 
 def run_swap(
-    out: Path, setup: DigitsSetup, configs: list[str] | None, command: str, force: bool = False, log: Log = print,
+    out: Path,
+    setup: DigitsSetup,
+    configs: list[str] | None,
+    command: str,
+    force: bool = False,
+    log: Log = print,
     data: tuple[torch.Tensor, ...] | None = None,
-) -> list[dict[str, Any]]:  # fmt: skip
+) -> list[dict[str, Any]]:
     """Train with SDPA, evaluate every config without retraining; writes report.md and swap.png."""
     from ..models.convert import convert
 
@@ -134,8 +139,14 @@ def run_swap(
         t0 = time.perf_counter()
         accuracy = evaluate(convert(copy.deepcopy(model), config), data[2], data[3])
         retained = 100 * accuracy / base if base else float("nan")
-        rows.append({"attention at test time": config, "test accuracy (%)": 100 * accuracy, "retained (%)": retained,
-                     "eval s": time.perf_counter() - t0})  # fmt: skip
+        rows.append(
+            {
+                "attention at test time": config,
+                "test accuracy (%)": 100 * accuracy,
+                "retained (%)": retained,
+                "eval s": time.perf_counter() - t0,
+            }
+        )
         log(f"swap {config}: {100 * accuracy:.2f}%")
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 0.4 * len(rows) + 1.2))
@@ -148,12 +159,19 @@ def run_swap(
     fig.savefig(out / "swap.png", dpi=120)
     plt.close(fig)
     title = "Attention swap on digits: trained with SDPA, evaluated with other attentions"
-    write_report(out, title, command, setup, data, [
-        f"SDPA model: test accuracy {100 * base:.2f}% after {summary['train_seconds']:.0f} s of training.",
-        "",
-        markdown_table(rows),
-        "![accuracy retained](swap.png)",
-    ])  # fmt: skip
+    write_report(
+        out,
+        title,
+        command,
+        setup,
+        data,
+        [
+            f"SDPA model: test accuracy {100 * base:.2f}% after {summary['train_seconds']:.0f} s of training.",
+            "",
+            markdown_table(rows),
+            "![accuracy retained](swap.png)",
+        ],
+    )
     return rows
 
 
@@ -161,9 +179,15 @@ def run_swap(
 
 
 def run_robustness(
-    out: Path, setup: DigitsSetup, ms: tuple[int, ...], ks: tuple[int, ...], command: str, force: bool = False,
-    log: Log = print, data: tuple[torch.Tensor, ...] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    out: Path,
+    setup: DigitsSetup,
+    ms: tuple[int, ...],
+    ks: tuple[int, ...],
+    command: str,
+    force: bool = False,
+    log: Log = print,
+    data: tuple[torch.Tensor, ...] | None = None,
+) -> dict[str, Any]:
     """Train MiTA with ``setup.attention``'s m, k; evaluate on the grid ms x ks; report.md and robustness.png."""
     for m in ms:
         if math.isqrt(m) ** 2 != m:
@@ -200,16 +224,23 @@ def run_robustness(
     trained = (options.get("num_landmarks"), options.get("topk"))
     best = divmod(int(grid.argmax()), len(ks))
     title = "Robustness on digits: MiTA trained with small m, k, evaluated with larger ones"
-    write_report(out, title, command, setup, data, [
-        f"Trained with m={trained[0]}, k={trained[1]}: test accuracy {100 * summary['test_accuracy']:.2f}% "
-        f"after {summary['train_seconds']:.0f} s of training. Best on the grid: {grid.max():.2f}% at "
-        f"m={ms[best[0]]}, k={ks[best[1]]}.",
-        "",
-        "Test accuracy (%), rows m, columns k:",
-        "",
-        markdown_table(rows),
-        "![accuracy over m and k](robustness.png)",
-    ])  # fmt: skip
+    write_report(
+        out,
+        title,
+        command,
+        setup,
+        data,
+        [
+            f"Trained with m={trained[0]}, k={trained[1]}: test accuracy {100 * summary['test_accuracy']:.2f}% "
+            f"after {summary['train_seconds']:.0f} s of training. Best on the grid: {grid.max():.2f}% at "
+            f"m={ms[best[0]]}, k={ks[best[1]]}.",
+            "",
+            "Test accuracy (%), rows m, columns k:",
+            "",
+            markdown_table(rows),
+            "![accuracy over m and k](robustness.png)",
+        ],
+    )
     return {"trained": summary["test_accuracy"], "grid": grid, "ms": ms, "ks": ks}
 
 
@@ -233,8 +264,12 @@ def selection_statistics(model: torch.nn.Module, images: torch.Tensor) -> dict[s
     try:
         model.eval()
         model(images)
-        stats: dict[str, list[torch.Tensor]] = {"unselected_head": [], "unselected_all": [], "frequency": [],
-                                                "per_image": []}  # fmt: skip
+        stats: dict[str, list[torch.Tensor]] = {
+            "unselected_head": [],
+            "unselected_all": [],
+            "frequency": [],
+            "per_image": [],
+        }
         for layer in layers:
             experts = layer.routing.experts  # (B, H, m, k) key indices
             (B, H), n = experts.shape[:2], layer.routing.routes.shape[2]
@@ -257,9 +292,14 @@ def chance_unselected(n: int, m: int, k: int) -> float:
 
 
 def run_pruning(
-    out: Path, setup: DigitsSetup, command: str, force: bool = False, examples: int = 6, log: Log = print,
+    out: Path,
+    setup: DigitsSetup,
+    command: str,
+    force: bool = False,
+    examples: int = 6,
+    log: Log = print,
     data: tuple[torch.Tensor, ...] | None = None,
-) -> dict[str, torch.Tensor]:  # fmt: skip
+) -> dict[str, torch.Tensor]:
     """Train MiTA; per layer the fraction of tokens no expert selects; heat maps (PNG) over the image."""
     name, options = registry.parse(setup.attention)
     if name != "mita":
@@ -296,25 +336,35 @@ def run_pruning(
     fig.savefig(out / "selection_examples.png", dpi=120, bbox_inches="tight")
     plt.close(fig)
     rows = [
-        {"layer": layer, "unselected per head (%)": 100 * float(stats["unselected_head"][layer]),
-         "unselected by every head (%)": 100 * float(stats["unselected_all"][layer]),
-         "random experts would leave per head (%)": 100 * chance}
+        {
+            "layer": layer,
+            "unselected per head (%)": 100 * float(stats["unselected_head"][layer]),
+            "unselected by every head (%)": 100 * float(stats["unselected_all"][layer]),
+            "random experts would leave per head (%)": 100 * chance,
+        }
         for layer in range(L)
-    ]  # fmt: skip
+    ]
     for row in rows:
         log(f"pruning layer {row['layer']}: {row['unselected per head (%)']:.1f}% unselected per head")
-    write_report(out, "Token pruning on digits: tokens no MiTA expert selects", command, setup, data, [
-        f"MiTA model (m={m}, k={k}, so m k = {m * k} slots for N = {n} tokens): test accuracy "
-        f"{100 * summary['test_accuracy']:.2f}% after {summary['train_seconds']:.0f} s of training. "
-        "A token no expert selects reaches the queries only through the compressed shared expert.",
-        "",
-        markdown_table(rows),
-        f"Selection frequency of each patch (mean over the {len(data[3])} test images and the heads):",
-        "",
-        "![selection frequency](selection_frequency.png)",
-        "",
-        "Per image, how many heads select each patch:",
-        "",
-        "![selection examples](selection_examples.png)",
-    ])  # fmt: skip
+    write_report(
+        out,
+        "Token pruning on digits: tokens no MiTA expert selects",
+        command,
+        setup,
+        data,
+        [
+            f"MiTA model (m={m}, k={k}, so m k = {m * k} slots for N = {n} tokens): test accuracy "
+            f"{100 * summary['test_accuracy']:.2f}% after {summary['train_seconds']:.0f} s of training. "
+            "A token no expert selects reaches the queries only through the compressed shared expert.",
+            "",
+            markdown_table(rows),
+            f"Selection frequency of each patch (mean over the {len(data[3])} test images and the heads):",
+            "",
+            "![selection frequency](selection_frequency.png)",
+            "",
+            "Per image, how many heads select each patch:",
+            "",
+            "![selection examples](selection_examples.png)",
+        ],
+    )
     return stats

@@ -88,9 +88,14 @@ def full_model_flops(b: Backbone) -> tuple[float, float, int]:
     from timm.models.vision_transformer import VisionTransformer
 
     model = VisionTransformer(
-        img_size=b.img_size, patch_size=16, embed_dim=b.embed_dim, depth=b.depth, num_heads=b.num_heads,
-        num_classes=b.num_classes, device="meta",
-    )  # fmt: skip
+        img_size=b.img_size,
+        patch_size=16,
+        embed_dim=b.embed_dim,
+        depth=b.depth,
+        num_heads=b.num_heads,
+        num_classes=b.num_classes,
+        device="meta",
+    )
     with FlopCounterMode(display=False) as counter:
         model(torch.empty(1, 3, b.img_size, b.img_size, device="meta"))
     attn = b.depth * b.num_heads * registry.flops("sdpa", b.tokens, b.head_dim)
@@ -130,8 +135,10 @@ def backbone_row(b: Backbone, counted: bool = True) -> dict[str, float | int | s
 
 def length_sweep(sizes: tuple[int, ...] | None = None, m: int = 49) -> list[dict[str, float | int | str]]:
     """ViT-S backbone FLOPs against image size (default :data:`SWEEP_SIZES`), m = k fixed."""
-    return [backbone_row(Backbone("ViT-S backbone", 384, 12, 6, s, m, num_classes=0), counted=False)
-            for s in sizes or SWEEP_SIZES]  # fmt: skip
+    return [
+        backbone_row(Backbone("ViT-S backbone", 384, 12, 6, s, m, num_classes=0), counted=False)
+        for s in sizes or SWEEP_SIZES
+    ]
 
 
 def method_flops_per_head(lengths: list[int], d: int = 64) -> dict[str, list[float]]:

@@ -81,29 +81,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed + rank)
     classes = ImageFolder(data / "val").classes
     model = timm.create_model(
-        args.model, num_classes=len(classes), drop_path_rate=args.drop_path, img_size=args.img_size,
+        args.model,
+        num_classes=len(classes),
+        drop_path_rate=args.drop_path,
+        img_size=args.img_size,
         **_model_args(args.model_args),
-    ).to(device)  # fmt: skip
+    ).to(device)
     cfg = resolve_data_config({"input_size": (3, args.img_size, args.img_size)}, model=model)
-    train_set = ImageFolder(data / "train", create_transform(
-        **cfg, is_training=True, auto_augment=args.aa or None, re_prob=args.reprob))  # fmt: skip
+    train_set = ImageFolder(
+        data / "train", create_transform(**cfg, is_training=True, auto_augment=args.aa or None, re_prob=args.reprob)
+    )
     val_set = ImageFolder(data / "val", create_transform(**cfg))
     if train_set.classes != classes:
         raise ValueError(f"train and val classes differ: {train_set.classes} vs {classes}")
     sampler = torch.utils.data.DistributedSampler(train_set, seed=args.seed) if distributed else None
     loader = torch.utils.data.DataLoader(
-        train_set, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler,
-        num_workers=args.workers, drop_last=len(train_set) >= args.batch_size * world, pin_memory=device.type == "cuda",
-    )  # fmt: skip
+        train_set,
+        batch_size=args.batch_size,
+        shuffle=sampler is None,
+        sampler=sampler,
+        num_workers=args.workers,
+        drop_last=len(train_set) >= args.batch_size * world,
+        pin_memory=device.type == "cuda",
+    )
     val_loader = torch.utils.data.DataLoader(val_set, batch_size=args.batch_size, num_workers=args.workers)
     lr = args.lr * args.batch_size * world / 512  # DeiT's linear scaling rule
     optimizer = create_optimizer_v2(model, "adamw", lr=lr, weight_decay=args.weight_decay)
-    scheduler = CosineLRScheduler(optimizer, t_initial=args.epochs, warmup_t=args.warmup_epochs,
-                                  warmup_lr_init=1e-6, lr_min=1e-5)  # fmt: skip
+    scheduler = CosineLRScheduler(
+        optimizer, t_initial=args.epochs, warmup_t=args.warmup_epochs, warmup_lr_init=1e-6, lr_min=1e-5
+    )
     mixup = None
     if args.mixup > 0 or args.cutmix > 0:
-        mixup = Mixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, label_smoothing=args.smoothing,
-                      num_classes=len(classes))  # fmt: skip
+        mixup = Mixup(
+            mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, label_smoothing=args.smoothing, num_classes=len(classes)
+        )
     criterion = SoftTargetCrossEntropy() if mixup else torch.nn.CrossEntropyLoss(label_smoothing=args.smoothing)
     start, steps, best = 0, 0, 0.0
     ckpt = output / "checkpoint.pth"
@@ -112,8 +123,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start, steps, best = state["epoch"], state["steps"], state["best"]
-    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None) \
-        if distributed else model  # fmt: skip
+    ddp = (
+        torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        if distributed
+        else model
+    )
     if rank == 0:
         output.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {}
@@ -142,13 +156,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         accuracy = evaluate(model, val_loader, device, args.amp)
         best = max(best, accuracy)
         summary = {
-            "epoch": epoch + 1, "steps": steps, "train_loss": total / max(seen, 1), "val_top1": accuracy,
-            "best_val_top1": best, "epoch_seconds": time.perf_counter() - t0, "lr": optimizer.param_groups[0]["lr"],
-        }  # fmt: skip
+            "epoch": epoch + 1,
+            "steps": steps,
+            "train_loss": total / max(seen, 1),
+            "val_top1": accuracy,
+            "best_val_top1": best,
+            "epoch_seconds": time.perf_counter() - t0,
+            "lr": optimizer.param_groups[0]["lr"],
+        }
         if rank == 0:
             recipe = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"}
-            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1,
-                     "steps": steps, "best": best, "args": recipe}  # fmt: skip
+            state = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "epoch": epoch + 1,
+                "steps": steps,
+                "best": best,
+                "args": recipe,
+            }
             torch.save(state, output / "checkpoint.tmp")
             (output / "checkpoint.tmp").replace(ckpt)
             with open(output / "log.jsonl", "a") as f:
