@@ -90,3 +90,13 @@ def test_the_graph_sees_the_imports() -> None:
     assert "mita.ops.agent" in GRAPH["mita.layers.agent"]
     assert "mita.ops.pooling" in GRAPH["mita.ops.mita.grouped"]
     assert "mita.layers.agent" not in GRAPH["mita.ops.agent"]
+
+
+def test_utils_import_only_utils() -> None:
+    """``mita.utils`` is below everything: it may import torch and the standard library, no other mita module."""
+    bad = {
+        n: sorted(m for m in d if not m.startswith("mita.utils"))
+        for n, d in GRAPH.items()
+        if n.startswith("mita.utils")
+    }
+    assert GRAPH.get("mita.utils.checkpoint") and not {k: v for k, v in bad.items() if v}, bad

@@ -48,7 +48,7 @@ def tiny_config(**train):
 
 
 def weights(run_dir):
-    return torch.load(run_dir / T.CHECKPOINT, map_location="cpu", weights_only=False)["model"]
+    return torch.load(run_dir / T.CHECKPOINT, map_location="cpu", weights_only=True)["model"]
 
 
 def assert_same(a, b, exact=True):
@@ -126,7 +126,7 @@ def test_killed_run_resumes_exactly(tmp_path, data_dir, data):
         str(data_dir),
         "--attention",
         MITA,
-        "--run-dir",
+        "--out",
         str(run),
         "--no-progress",
         "--no-tensorboard",
@@ -188,7 +188,7 @@ def test_ddp_two_processes_match_one(tmp_path, data_dir, data):
         str(data_dir),
         "--attention",
         MITA,
-        "--run-dir",
+        "--out",
         str(tmp_path / "ddp"),
         "--no-progress",
         "--no-tensorboard",
@@ -200,7 +200,7 @@ def test_ddp_two_processes_match_one(tmp_path, data_dir, data):
     assert done.returncode == 0, done.stderr[-3000:]
     T.train(config, data, tmp_path / "single", MITA, progress=False, tensorboard=False)
     assert_same(weights(tmp_path / "single"), weights(tmp_path / "ddp"), exact=False)
-    assert torch.load(tmp_path / "ddp" / T.CHECKPOINT, weights_only=False)["world_size"] == 2
+    assert torch.load(tmp_path / "ddp" / T.CHECKPOINT, weights_only=True)["world_size"] == 2
 
 
 def test_run_dir_is_never_overwritten(tmp_path, data):
@@ -208,9 +208,31 @@ def test_run_dir_is_never_overwritten(tmp_path, data):
     T.train(config, data, tmp_path / "run", progress=False, tensorboard=False)
     with pytest.raises(FileExistsError, match="--resume"):
         T.train(config, data, tmp_path / "run", progress=False, tensorboard=False)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not empty"):
+        T.train(config, data, tmp_path / "other", progress=False, tensorboard=False)
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+
+
+def test_run_killed_before_its_first_checkpoint_leaves_a_reusable_folder(tmp_path, data, capsys):
+    """A folder holding only what a run writes before its first checkpoint (the manifest, logs)
+    is reused, with or without --resume; --resume there starts from step 0."""
+    config = tiny_config(steps=2)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / T.MANIFEST).write_text(json.dumps({"config": config, "attention": "sdpa"}))
+    (run / T.METRICS).write_text("step,epoch\n")
+    (run / "tb").mkdir()
+    assert T.train(config, data, run, progress=False, tensorboard=False)["finished"]
+    (run / T.CHECKPOINT).unlink()
+    (run / T.BEST).unlink()
+    (run / T.WEIGHTS).unlink()
+    (run / "summary.json").unlink()
+    assert T.train(config, data, run, resume=True, progress=False, tensorboard=False)["step"] == 2
+    assert "starts from step 0" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match=re.escape("no checkpoint.pt")):
-        T.train(config, data, tmp_path / "empty", resume=True, progress=False, tensorboard=False)
+    assert T.train(config, data, tmp_path / "empty", resume=True, progress=False, tensorboard=False)["finished"]
 
 
 @pytest.mark.parametrize(
@@ -268,15 +290,15 @@ def test_cli_train_eval_and_refusals(tmp_path, data_dir, capsys):
         "--set",
         "model.head_dim=8",
     ]
-    assert cli_main(["lra", "train", *base, *sets, "--run-dir", run, "--no-progress", "--attention", MITA]) == 0
+    assert cli_main(["lra", "train", *base, *sets, "--out", run, "--no-progress", "--attention", MITA]) == 0
     assert (tmp_path / "cli" / "tb").is_dir() and (tmp_path / "cli" / "summary.json").exists()
-    assert cli_main(["lra", "train", *base, *sets, "--run-dir", run, "--no-progress"]) == 2
+    assert cli_main(["lra", "train", *base, *sets, "--out", run, "--no-progress"]) == 2
     assert "--resume" in capsys.readouterr().err
     out = tmp_path / "eval.json"
     assert cli_main(["lra", "eval", *base, *sets, "--checkpoint", run, "--option", "topk=8", "--out", str(out)]) == 0
     assert json.loads(out.read_text())["options"] == {"topk": 8}
     assert cli_main(["lra", "eval", *base, *sets, "--checkpoint", run, "--out", str(out)]) == 2
-    assert cli_main(["lra", "train", *base, "--set", "train.nope=1", "--run-dir", str(tmp_path / "x")]) == 2
+    assert cli_main(["lra", "train", *base, "--set", "train.nope=1", "--out", str(tmp_path / "x")]) == 2
     assert "unknown key 'nope'" in capsys.readouterr().err
 
 

@@ -40,7 +40,7 @@ def test_swap_report(tmp_path, data):
     rows = experiments.run_swap(tmp_path, DigitsSetup(**TINY), configs, "cmd", log=quiet, data=data)
     assert [r["attention at test time"] for r in rows] == configs
     model = digits.make_vit(DigitsSetup(**TINY))
-    model.load_state_dict(torch.load(tmp_path / "sdpa.pt", weights_only=False)["model"])
+    model.load_state_dict(torch.load(tmp_path / "sdpa.pt", weights_only=True)["model"])
     base = 100 * digits.evaluate(model, data[2], data[3])
     assert rows[0]["test accuracy (%)"] == pytest.approx(base)
     for row in rows:  # the share of the SDPA model's accuracy (undefined if that is 0)
@@ -60,7 +60,7 @@ def test_robustness_grid(tmp_path, data):
     result = experiments.run_robustness(tmp_path, setup, (1, 4), (2, 65), "cmd", log=quiet, data=data)
     assert result["grid"].shape == (2, 2)
     model = digits.make_vit(setup)
-    model.load_state_dict(torch.load(tmp_path / "mita.pt", weights_only=False)["model"])
+    model.load_state_dict(torch.load(tmp_path / "mita.pt", weights_only=True)["model"])
     for layer in experiments.mita_layers(model):
         layer.num_landmarks, layer.topk = 4, 65
     assert float(result["grid"][1, 1]) == pytest.approx(100 * digits.evaluate(model, data[2], data[3]))
@@ -134,7 +134,7 @@ def test_checkpoint_of_another_setup(tmp_path, data):
     with pytest.raises(ValueError, match="use another output folder or --force"):
         digits.train(other, data, tmp_path / "ckpt.pt", log=quiet)
     digits.train(other, data, tmp_path / "ckpt.pt", restart=True, log=quiet)
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["setup"] == asdict(other)
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["setup"] == asdict(other)
 
 
 @pytest.mark.parametrize(
@@ -149,12 +149,12 @@ def test_setup_errors(kwargs, match):
 
 def test_output_folder_rules(tmp_path, capsys):
     (tmp_path / "report.md").write_text("old")
-    with pytest.raises(ValueError, match="--force"):
+    with pytest.raises(FileExistsError, match="--force"):
         experiments.prepare_output(tmp_path, force=False)
     assert experiments.prepare_output(tmp_path, force=True) == tmp_path
-    with pytest.raises(ValueError, match="not a folder"):
+    with pytest.raises(ValueError, match="is a file"):
         experiments.prepare_output(tmp_path / "report.md", force=True)
     for command in ("swap", "robustness", "pruning"):
         assert main(["vision", command, "--out", str(tmp_path)]) == 2
-        assert "exists; pass --force" in capsys.readouterr().err
+        assert "not empty; pass --force" in capsys.readouterr().err
     assert (tmp_path / "report.md").read_text() == "old"

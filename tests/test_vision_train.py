@@ -32,7 +32,7 @@ def image_folder(tmp_path_factory):
 
 def args(data, out, *extra: str) -> list[str]:
     common = ["--img-size", "32", "--batch-size", "2", "--workers", "0", "--warmup-epochs", "0"]
-    return ["vision", "train", "--data", str(data), "--output", str(out), *MODEL, *common, *extra]
+    return ["vision", "train", "--data", str(data), "--out", str(out), *MODEL, *common, *extra]
 
 
 def test_train_resume_and_refuse(image_folder, tmp_path, capsys):
@@ -40,7 +40,7 @@ def test_train_resume_and_refuse(image_folder, tmp_path, capsys):
     assert main(args(image_folder, out, "--epochs", "1")) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["epoch"] == 1 and summary["steps"] == 4 and 0 <= summary["val_top1"] <= 100
-    state = torch.load(out / "checkpoint.pth", weights_only=False)
+    state = torch.load(out / "checkpoint.pth", weights_only=True)
     assert "blocks.0.attn.out_gate.weight" in state["model"]
     assert main(args(image_folder, out, "--epochs", "2")) == 2
     assert "pass --resume" in capsys.readouterr().err

@@ -10,9 +10,7 @@ dict ``{"name": "mita", "num_landmarks": 64, "topk": 64}``.
 
 from __future__ import annotations
 
-import ast
 import functools
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -22,6 +20,7 @@ from . import registrations as _registrations  # noqa: F401  (fills the registry
 from .layers.base import AttentionLayer
 from .layers.op import OpAttention
 from .registry import REGISTRY, Method, Taxonomy, register
+from .utils.options import parse_config
 
 __all__ = [
     "Config",
@@ -71,20 +70,7 @@ def parse(config: Config) -> tuple[str, dict[str, Any]]:
         return str(options.pop("name")), options
     if not isinstance(config, str) or not config:
         raise ValueError(f"an attention config is a name like 'mita:topk=32' or a dict, got {config!r}")
-    name, _, rest = config.partition(":")
-    options = {}
-    for item in filter(None, (p.strip() for p in re.split(r",(?![^(\[]*[)\]])", rest))):  # not inside (..) / [..]
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise ValueError(f"attention option {item!r} in {config!r} must read key=value")
-        key = key.strip()
-        if key in options:
-            raise ValueError(f"attention option {key!r} is given twice in {config!r}; give it once")
-        try:
-            options[key] = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError):
-            options[key] = value.strip()
-    return name.strip(), options
+    return parse_config(config, "attention")
 
 
 def resolve(config: Config) -> tuple[Method, dict[str, Any]]:

@@ -1,22 +1,27 @@
 """The ``mita`` command line: ``mita demo``, ``mita bench``, ``mita taxonomy``, ``mita lra ...``, ``mita vision ...``.
 
-Each command lives in its own module, which exposes ``add_parser(subparsers)``; the
-parser it adds sets ``func``, called with the parsed arguments.
+Each package with commands has a ``cli`` module exposing ``add_parser(subparsers)`` and
+public ``cmd_*`` handlers; the parser it adds sets ``func``, called with the parsed
+arguments. Every command spells its output flag ``--out`` and its overwrite flag
+``--force`` (:mod:`mita.utils.flags`). A refused input (bad value, missing or existing
+file) ends the command with one line on stderr and exit status 2; ``MITA_TRACEBACK=1``
+shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 COMMAND_MODULES = [
-    "mita.benchmarks.demo",
-    "mita.benchmarks.bench",
-    "mita.cli_taxonomy",
+    "mita.benchmarks.cli",
     "mita.lra.cli",
     "mita.vision.cli",
 ]
+#: errors that mean "the input was refused", reported in one line (exit status 2)
+USER_ERRORS = (ValueError, TypeError, OSError, ImportError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,8 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, ImportError) as err:
-        print(f"mita {args.command}: error: {err}", file=sys.stderr)
+    except USER_ERRORS as err:
+        if os.environ.get("MITA_TRACEBACK") == "1":
+            raise
+        text = " ".join(str(err).split()) or type(err).__name__
+        if isinstance(err, OSError) and err.filename is not None and str(err.filename) not in text:
+            text = f"{text}: {err.filename}"
+        print(f"mita {args.command}: error: {text}", file=sys.stderr)
         return 2
 
 

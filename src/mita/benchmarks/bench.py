@@ -27,6 +27,9 @@ from typing import Any
 import torch
 
 from .. import attention
+from ..utils.files import prepare_output_dir
+from ..utils.machine import machine_info
+from ..utils.options import parse_assignments, parse_value, split_items
 from .report import (
     FIELDS,
     OK,
@@ -36,7 +39,6 @@ from .report import (
     crossovers,
     fmt,
     from_other_session,
-    machine_info,
     markdown_table,
     num,
     plot,
@@ -152,33 +154,23 @@ def expand_series(configs: Sequence[str], baseline: str, sweeps: Mapping[str, Se
     return list(series.values())
 
 
-def parse_assignments(items: Sequence[str], flag: str) -> dict[str, str]:
-    """``KEY=VALUE`` items into a dict; a ValueError names the flag otherwise."""
-    out = {}
-    for item in items:
-        key, eq, value = item.partition("=")
-        if not eq or not key or not value:
-            raise ValueError(f"{flag} takes KEY=VALUE items, got {item!r}")
-        out[key] = value
-    return out
-
-
 def parse_sweeps(items: Sequence[str]) -> dict[str, list[Any]]:
-    """``--sweep topk=16,32,64`` into ``{"topk": [16, 32, 64]}``."""
+    """``--sweep topk=16,32,64`` into ``{"topk": [16, 32, 64]}`` (commas inside brackets do not split)."""
     sweeps = {}
-    for key, values in parse_assignments(items, "--sweep").items():
-        sweeps[key] = [attention.parse(f"x:{key}={v}")[1][key] for v in values.split(",") if v.strip()]
+    for key, values in parse_assignments(items, "--sweep", typed=False).items():
+        sweeps[key] = [parse_value(v) for v in split_items(values)]
+        if not sweeps[key]:
+            raise ValueError(f"--sweep {key}= gives no values; write KEY=V1,V2,...")
     return sweeps
 
 
 def parse_caps(items: Sequence[str]) -> dict[str, int]:
     """``--max-n-per-method sdpa=16384`` into ``{"sdpa": 16384}``; names must be registered."""
-    caps = {}
-    for name, value in parse_assignments(items, "--max-n-per-method").items():
+    caps = parse_assignments(items, "--max-n-per-method")
+    for name, value in caps.items():
         attention.get(name)
-        if not value.isdigit():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"--max-n-per-method {name}={value}: the cap must be a whole number of tokens")
-        caps[name] = int(value)
     return caps
 
 
@@ -257,16 +249,9 @@ def prepare_out_dir(out: str | None, *, force: bool, resume: bool) -> Path:
             path = path.with_name(path.name + "+")
     else:
         path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"--out {path} is a file; give a folder")
     if resume and not (path / "results.csv").is_file():
         raise FileNotFoundError(f"--resume: {path / 'results.csv'} does not exist; run without --resume first")
-    if not resume and not force and path.is_dir() and any(path.iterdir()):
-        raise ValueError(
-            f"--out {path} exists and is not empty; pass --force to overwrite its results, "
-            "--resume to continue that run, or give a new folder"
-        )
-    path.mkdir(parents=True, exist_ok=True)
+    path = prepare_output_dir(path, force=force, reuse=resume)
     if force:  # no stale plot or table of the run being replaced; other files are left alone
         for file in [*(path / name for name in OUTPUTS), *(path / "profiles").glob("*.txt")]:
             file.unlink(missing_ok=True)
@@ -287,12 +272,12 @@ def record_machine(path: Path, device: str, session: str, command: str, *, resum
     path.write_text(json.dumps(info, indent=2) + "\n")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "bench",
-        help="time, throughput and peak memory of the attention methods against sequence length",
-        description="Benchmark registered attention methods against SDPA (see docs/performance.md).",
-    )
+HELP = "time, throughput and peak memory of the attention methods against sequence length"
+DESCRIPTION = "Benchmark registered attention methods against SDPA (see docs/performance.md)."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``mita bench`` (registered by :mod:`mita.benchmarks.cli`)."""
     p.add_argument("--methods", nargs="+", metavar="CONFIG", help="configs like mita 'mita:topk=32' (default: all)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="shapes and options (default: standard)")
     p.add_argument("--quick", action="store_true", help="the 'quick' preset: a smoke run of a few seconds")
@@ -319,7 +304,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--force", action="store_true", help="overwrite the results in a non-empty --out")
     g.add_argument("--resume", action="store_true", help="continue the run in --out, skipping measured points")
-    p.set_defaults(func=run)
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:

@@ -21,11 +21,13 @@ AGREEMENT_TOL = 1e-9  # float64; the paths differ only in the order of sums
 DEMO_COLUMNS = ("n", "series", "time", "peak", "memory_ratio", "speedup", "ideal")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="a short demonstration: agreement with the reference, MiTA against SDPA")
+HELP = "a short demonstration: agreement with the reference, MiTA against SDPA"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``mita demo`` (registered by :mod:`mita.benchmarks.cli`)."""
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192], metavar="N")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's, all cores)")
-    p.set_defaults(func=run)
 
 
 def agreement(n: int = 300, seed: int = 0) -> dict[str, float]:

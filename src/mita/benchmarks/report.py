@@ -9,11 +9,8 @@ from __future__ import annotations
 import csv
 import datetime
 import os
-import platform
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-
-import torch
 
 FIELDS = (
     "session",
@@ -135,32 +132,6 @@ def markdown_table(rows: Iterable[Row], columns: Sequence[str] = TABLE_COLUMNS) 
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(_COLUMNS[c][1](r) for c in columns) + " |" for r in rows]
     return "\n".join(lines) + "\n"
-
-
-def machine_info(device: str) -> dict[str, object]:
-    """What the numbers depend on: CPU model, cores, threads, torch, CUDA device."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info: dict[str, object] = {
-        "cpu_model": cpu,
-        "logical_cpus": os.cpu_count(),
-        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch_interop_threads": torch.get_num_interop_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "device": device,
-        "cuda_device": torch.cuda.get_device_name(device) if device.startswith("cuda") else None,
-        "cuda_version": torch.version.cuda if device.startswith("cuda") else None,
-    }
-    return info
 
 
 def session_info(session: str, command: str) -> dict[str, object]:

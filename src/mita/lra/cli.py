@@ -1,44 +1,32 @@
 """``mita lra generate|train|eval|speed``: Long Range Arena from the command line.
 
     mita lra generate --task listops --out data/listops
-    mita lra train --task listops --data data/listops --attention mita --run-dir runs/listops-mita
+    mita lra train --task listops --data data/listops --attention mita --out runs/listops-mita
     mita lra eval --task listops --data data/listops --checkpoint runs/listops-sdpa --attention mita
     mita lra speed --task listops --attention sdpa mita --lengths 1000 2000 --mode train
 
 Configurations are named (``--variant lra|small|cpu``, files in ``mita/lra/configs``) and
-changed with ``--set section.key=value``; ``torchrun --nproc_per_node N -m mita.cli lra train ...``
+changed with ``--set section.key=value`` (nested: ``--set data.generate.num_train=2000``);
+``--out`` names the output (a folder for ``generate`` and ``train``, a file for ``eval`` and
+``speed``) and ``--force`` lets it be overwritten; ``torchrun --nproc_per_node N -m mita.cli lra train ...``
 trains with DDP.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import csv
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
+from ..utils.files import atomic_write, atomic_write_text, check_output_file, prepare_output_dir
+from ..utils.flags import add_force, add_out
+from ..utils.options import parse_assignments
 from .config import TASKS, load_config
 
 
-def _options(items: list[str]) -> dict[str, Any]:
-    """``key=value`` pairs (values as Python literals when they parse)."""
-    out = {}
-    for item in items:
-        key, eq, text = item.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(f"option {item!r} must read key=value, e.g. num_landmarks=128")
-        try:
-            out[key.strip()] = ast.literal_eval(text.strip())
-        except (ValueError, SyntaxError):
-            out[key.strip()] = text.strip()
-    return out
-
-
 def _config(args: argparse.Namespace) -> dict[str, Any]:
-    return load_config(args.task, args.variant, args.set, args.config)
+    return load_config(args.task, args.variant or "cpu", args.set, args.config)
 
 
 def _data(args: argparse.Namespace, config: dict[str, Any]):
@@ -47,44 +35,59 @@ def _data(args: argparse.Namespace, config: dict[str, Any]):
     return load(args.task, args.data, **config["data"].get("loader", {}))
 
 
-def _refuse_overwrite(path: Path | None, overwrite: bool) -> None:
-    if path is not None and path.exists() and not overwrite:
-        raise FileExistsError(f"{path} exists; pass --overwrite to replace it")
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
+    """``mita lra generate``: ListOps or Pathfinder / Path-X files in the LRA layout."""
     config = _config(args)
     gen = dict(config["data"].get("generate") or {})
     if not gen:
         raise ValueError(f"task {args.task!r} has no generator: its data is downloaded (see docs/lra.md)")
+    grid = check_output_file(args.grid, force=args.force, flag="--grid") if args.grid else None
     if args.task == "listops":
         from .data import listops
 
-        paths = listops.generate(args.out, listops.ListOpsSpec(**gen), overwrite=args.overwrite)
+        spec = _spec(listops.ListOpsSpec, gen)
+        prepare_output_dir(args.out, reuse=True)  # the generator refuses its own existing files
+        paths = listops.generate(args.out, spec, overwrite=args.force)
         print("\n".join(str(p) for p in paths.values()))
         return 0
     from .data import pathfinder
 
-    num = gen.pop("num_samples")
-    spec = pathfinder.PathfinderSpec(**gen)
-    if args.grid:
-        _refuse_overwrite(Path(args.grid), args.overwrite)
-        print(pathfinder.example_grid(args.grid, spec))
-    root = pathfinder.generate(args.out, spec, num, workers=args.workers, overwrite=args.overwrite, progress=True)
+    num = gen.pop("num_samples", 20_000)
+    spec = _spec(pathfinder.PathfinderSpec, gen)
+    prepare_output_dir(args.out, reuse=True)
+    if grid is not None:
+        print(pathfinder.example_grid(grid, spec))
+    root = pathfinder.generate(args.out, spec, num, workers=args.workers, overwrite=args.force, progress=True)
     print(root)
     return 0
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from .train import init_distributed, train
+def _spec(cls: type, options: dict[str, Any]) -> Any:
+    """``cls(**options)``, a ValueError naming the unknown keys of ``data.generate``."""
+    import dataclasses
 
-    config = _config(args)
+    valid = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(f"data.generate: unknown key(s) {unknown}; valid: {valid}")
+    return cls(**options)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """``mita lra train``: train (or ``--resume``) a run in ``--out``."""
+    from ..utils.distributed import init_distributed
+    from .train import resume_config, train
+
+    if args.resume and args.variant is None and args.config is None:
+        config = resume_config(args.out, args.set)  # the run's own configuration, with --set applied
+    else:
+        config = _config(args)
     ctx = init_distributed(args.device)
     data = _data(args, config)
     summary = train(
         config,
         data,
-        args.run_dir,
+        args.out,
         attention=args.attention,
         resume=args.resume,
         stop_after=args.stop_after,
@@ -99,17 +102,19 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .train import evaluate_checkpoint, init_distributed
+    """``mita lra eval``: a checkpoint's accuracy, optionally with another attention or m, k, s."""
+    from ..utils.distributed import init_distributed
+    from .train import evaluate_checkpoint
 
-    out = Path(args.out) if args.out else None
-    _refuse_overwrite(out, args.overwrite)
+    out = check_output_file(args.out, force=args.force) if args.out else None
+    options = parse_assignments(args.option, "--option")
     ctx = init_distributed(args.device)
     config = _config(args)
     result = evaluate_checkpoint(
         args.checkpoint,
         _data(args, config),
         attention=args.attention,
-        options=_options(args.option),
+        options=options,
         split=args.split,
         batch_size=args.batch_size,
         ctx=ctx,
@@ -118,17 +123,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
         text = json.dumps(result, indent=2)
         print(text)
         if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(text + "\n")
+            atomic_write_text(out, text + "\n")
     return 0
 
 
 def cmd_speed(args: argparse.Namespace) -> int:
+    """``mita lra speed``: training step time or inference throughput against length."""
     from .data import listops
     from .train import speed
 
-    out = Path(args.out) if args.out else None
-    _refuse_overwrite(out, args.overwrite)
+    out = check_output_file(args.out, force=args.force) if args.out else None
     config = _config(args)
     classes = {"listops": 10, "image": 10}.get(args.task, 2)
     meta = {
@@ -152,41 +156,38 @@ def cmd_speed(args: argparse.Namespace) -> int:
             print(json.dumps(row))
             rows.append(row)
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "w", newline="") as f:
+        with atomic_write(out, "w", newline="") as f:
             writer = csv.DictWriter(f, list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
     return 0
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value}")
+    return value
+
+
 def _common(p: argparse.ArgumentParser, data: bool = True) -> None:
     p.add_argument("--task", required=True, choices=TASKS)
-    p.add_argument("--variant", default="cpu", help="named configuration: lra, small or cpu (default cpu)")
+    p.add_argument("--variant", help="named configuration: lra, small or cpu (default cpu; on --resume the run's)")
     p.add_argument("--config", help="a JSON configuration file instead of the packaged one")
     p.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="SECTION.KEY=VALUE",
-        help="override one configuration value, e.g. train.steps=200 (repeatable)",
+        help="override one configuration value, e.g. train.steps=200 or data.generate.num_train=2000 (repeatable)",
     )
     if data:
         p.add_argument("--data", required=True, help="folder of the task's files (see docs/lra.md)")
         p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if available)")
-
-
-def _guard(func):
-    """Report a refused overwrite like the other input errors (exit status 2)."""
-
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return func(args)
-        except FileExistsError as err:
-            print(f"mita lra: error: {err}", file=sys.stderr)
-            return 2
-
-    return run
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -200,22 +201,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     g = lra.add_parser("generate", help="write generated ListOps / Pathfinder / Path-X data in the LRA layout")
     _common(g, data=False)
-    g.add_argument("--out", required=True, help="output folder")
+    add_out(g, "output folder", required=True)
     g.add_argument("--grid", help="also write a PNG grid of examples here (Pathfinder)")
-    g.add_argument("--workers", type=int, default=1, help="processes for Pathfinder (default 1)")
-    g.add_argument("--overwrite", action="store_true", help="replace existing files")
-    g.set_defaults(func=_guard(cmd_generate))
+    g.add_argument("--workers", type=_positive_int, default=1, help="processes for Pathfinder (default 1)")
+    add_force(g, "write into a non-empty --out, replacing its files", deprecated=["--overwrite"])
+    g.set_defaults(func=cmd_generate)
 
     t = lra.add_parser("train", help="train a model (resumable; DDP under torchrun)")
     _common(t)
-    t.add_argument("--attention", default="sdpa", help="registered attention or config, e.g. 'mita:topk=32'")
-    t.add_argument("--run-dir", required=True, help="folder for checkpoints and logs (never overwritten)")
-    t.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its checkpoint")
-    t.add_argument("--stop-after", type=int, help="stop (with a checkpoint) once this many steps are done")
+    t.add_argument("--attention", help="registered attention or config, e.g. 'mita:topk=32' (default sdpa)")
+    add_out(t, "run folder for checkpoints and logs (never overwritten)", required=True, deprecated=["--run-dir"])
+    t.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its checkpoint (steps and eval/checkpoint cadence may change)",
+    )
+    t.add_argument("--stop-after", type=_positive_int, help="stop (with a checkpoint) once this many steps are done")
     t.add_argument("--time-limit", type=float, help="stop (with a checkpoint) after this many seconds")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--no-tensorboard", action="store_true", help="CSV logs only")
-    t.set_defaults(func=_guard(cmd_train))
+    t.set_defaults(func=cmd_train)
 
     e = lra.add_parser("eval", help="evaluate a checkpoint, optionally with another attention or m, k, s")
     _common(e)
@@ -229,19 +234,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="attention option at evaluation, e.g. num_landmarks=128 (repeatable)",
     )
     e.add_argument("--split", default="test", choices=["train", "val", "test"])
-    e.add_argument("--batch-size", type=int)
-    e.add_argument("--out", help="also write the result as JSON here")
-    e.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    e.set_defaults(func=_guard(cmd_eval))
+    e.add_argument("--batch-size", type=_positive_int)
+    add_out(e, "also write the result as JSON to this file")
+    add_force(e, "replace --out if it exists", deprecated=["--overwrite"])
+    e.set_defaults(func=cmd_eval)
 
     s = lra.add_parser("speed", help="time training steps or inference of the task's model against length")
     _common(s, data=False)
     s.add_argument("--attention", nargs="+", default=["sdpa", "mita"])
-    s.add_argument("--lengths", type=int, nargs="+", required=True)
+    s.add_argument("--lengths", type=_positive_int, nargs="+", required=True)
     s.add_argument("--mode", choices=["train", "eval"], default="train")
-    s.add_argument("--batch-size", type=int, default=8)
-    s.add_argument("--steps", type=int, default=5, help="timed steps per length (after one warm-up)")
+    s.add_argument("--batch-size", type=_positive_int, default=8)
+    s.add_argument("--steps", type=_positive_int, default=5, help="timed steps per length (after one warm-up)")
     s.add_argument("--device", help="cpu or cuda (default cpu)")
-    s.add_argument("--out", help="also write the rows as CSV here")
-    s.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    s.set_defaults(func=_guard(cmd_speed))
+    add_out(s, "also write the rows as CSV to this file")
+    add_force(s, "replace --out if it exists", deprecated=["--overwrite"])
+    s.set_defaults(func=cmd_speed)

@@ -14,62 +14,46 @@ import contextlib
 import csv
 import json
 import math
-import os
 import random
+import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..utils.checkpoint import load_checkpoint, load_weights, save_checkpoint, save_weights
+from ..utils.distributed import Dist, init_distributed
+from ..utils.files import atomic_write_text, prepare_output_dir
+from .config import apply_overrides
 from .data.loaders import Split, TaskData
 from .models import Classifier, set_attention_options
 
+__all__ = [
+    "Dist",
+    "build_model",
+    "evaluate",
+    "evaluate_checkpoint",
+    "init_distributed",
+    "lr_factor",
+    "resume_config",
+    "speed",
+    "train",
+]
+
 CHECKPOINT = "checkpoint.pt"
 BEST = "best.pt"
+WEIGHTS = "model.safetensors"  # the best-validation weights, for exchange (written at the end of a run)
+MANIFEST = "config.json"  # written first: what the run is
 METRICS = "metrics.csv"
+#: what a run folder holds before its first checkpoint: such a folder may be reused
+BEFORE_CHECKPOINT = (MANIFEST, METRICS, "tb")
+#: train keys a resumed run may change; anything else in the config (and the attention, the data) may not
+RESUMABLE = ("steps", "eval_every", "checkpoint_every", "log_every", "eval_samples", "eval_batch_size")
 CSV_FIELDS = ["step", "epoch", "split", "loss", "accuracy", "lr", "samples_per_s", "train_seconds"]
-
-
-@dataclass(frozen=True)
-class Dist:
-    """This process's place in a (possibly single-process) run."""
-
-    rank: int = 0
-    world: int = 1
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def all_sum(self, values: list[float]) -> list[float]:
-        """Element-wise sum over ranks (identity in one process)."""
-        if self.world == 1:
-            return values
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return t.tolist()
-
-
-def init_distributed(device: str | None = None) -> Dist:
-    """Join the ``torchrun`` process group if its environment is set (gloo on CPU, NCCL on CUDA)."""
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return Dist(0, 1, dev)
-    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    if dev.type == "cuda":
-        dev = torch.device("cuda", local)
-        torch.cuda.set_device(dev)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world)
-    return Dist(rank, world, dev)
 
 
 def lr_factor(step: int, schedule: str, warmup: int, total: int) -> float:
@@ -178,25 +162,28 @@ def _step_seed(seed: int, step: int, rank: int) -> int:
 
 
 def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG's state as tensors and plain types (a checkpoint loads with ``weights_only=True``)."""
+    np_state = np.random.get_state(legacy=False)
+    key = torch.from_numpy(np_state["state"]["key"].astype(np.int64))
+    state = {
+        "python": random.getstate(),
+        "numpy": {**np_state, "state": {**np_state["state"], "key": key}},
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np_state = state["numpy"]
+    key = np_state["state"]["key"].numpy().astype(np.uint32)
+    np.random.set_state({**np_state, "state": {**np_state["state"], "key": key}})
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_atomic(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temporary file, then rename: a crash never leaves a half-written checkpoint."""
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 class _Logger:
@@ -236,30 +223,93 @@ class _Logger:
 
 
 def prepare_run_dir(run_dir: Path, resume: bool, ctx: Dist) -> bool:
-    """Check the run folder: returns True when there is a checkpoint to resume.
+    """Check the run folder before any work: returns True when there is a checkpoint to resume.
 
-    An existing non-empty folder is resumed only with ``resume=True``; otherwise a
-    FileExistsError says so (a run is never overwritten silently).
+    A folder holding a checkpoint is continued only with ``resume=True`` (a FileExistsError
+    otherwise: a run is never overwritten). A folder holding only what a run writes before
+    its first checkpoint (:data:`BEFORE_CHECKPOINT`: a run killed early) is reused, with or
+    without ``resume``. Anything else non-empty, a file, a path under a file or an
+    unwritable folder is refused.
     """
-    has_ckpt = (run_dir / CHECKPOINT).exists()
-    if resume:
-        if not has_ckpt:
-            raise FileNotFoundError(f"--resume: no {CHECKPOINT} in {run_dir}; start a new run without --resume")
+    if resume and (run_dir / CHECKPOINT).is_file():
+        prepare_output_dir(run_dir, reuse=True, create=False)
         return True
-    if run_dir.exists() and any(run_dir.iterdir()):
+    if (run_dir / CHECKPOINT).is_file():
         raise FileExistsError(
-            f"run folder {run_dir} exists and is not empty; pass --resume to continue it or choose another --run-dir"
+            f"run folder {run_dir} holds a run ({CHECKPOINT}); pass --resume to continue it or choose another --out"
         )
-    if ctx.main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    hint = "it holds no run to --resume; choose another --out"
+    prepare_output_dir(run_dir, ignore=BEFORE_CHECKPOINT, create=ctx.main, hint=hint)
+    if resume and ctx.main:
+        print(f"--resume: no {CHECKPOINT} in {run_dir} yet: the run starts from step 0", file=sys.stderr)
     return False
+
+
+def resume_config(run_dir: str | Path, overrides: Sequence[str] | Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The configuration of the run in ``run_dir`` (its manifest), with ``overrides`` applied."""
+    path = Path(run_dir) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"--resume: {run_dir} holds no run ({MANIFEST} is missing); start it without --resume, "
+            "or give its configuration with --variant or --config"
+        )
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        config = manifest["config"]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ValueError(f"{path} is not a run manifest written by mita lra train: {err}") from None
+    return apply_overrides(config, overrides)
+
+
+def _json(x: Any) -> Any:
+    return json.loads(json.dumps(x))  # tuples and lists compare equal after this
+
+
+def _changed(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two configs."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return [] if _json(old) == _json(new) else [prefix.rstrip(".") or "the config"]
+    return [k for key in sorted(set(old) | set(new)) for k in _changed(old.get(key), new.get(key), f"{prefix}{key}.")]
+
+
+def _same_attention(a: Any, b: Any) -> bool:
+    from ..attention import parse
+
+    try:
+        return parse(a) == parse(b)
+    except ValueError:
+        return _json(a) == _json(b)
+
+
+def _check_resume(state: dict[str, Any], config: dict[str, Any], attention: Any, data: TaskData) -> list[str]:
+    """Refuse what a resumed run may not change (data, attention, model, optimisation); the changed keys."""
+    if state["meta"] != meta_of(data):
+        raise ValueError(f"--resume: the run was trained on data {state['meta']}, not {meta_of(data)}")
+    if attention is not None and not _same_attention(attention, state["attention"]):
+        raise ValueError(
+            f"--resume: the run was trained with attention {state['attention']!r}, not {attention!r}; the attention "
+            "cannot change on resume (evaluate another one with mita lra eval --attention, or start a new --out)"
+        )
+    changed = [k for k in _changed(state["config"], config) if not k.startswith(("data.generate", "source"))]
+    frozen = [k for k in changed if not (k.startswith("train.") and k.split(".", 1)[1] in RESUMABLE)]
+    if frozen:
+        was = ", ".join(f"{k}: {_get(state['config'], k)!r} -> {_get(config, k)!r}" for k in frozen)
+        allowed = ", ".join(f"train.{k}" for k in RESUMABLE)
+        raise ValueError(f"--resume cannot change {was}; only {allowed} may change (start a new --out for the rest)")
+    return changed
+
+
+def _get(config: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
 
 
 def train(
     config: dict[str, Any],
     data: TaskData,
     run_dir: str | Path,
-    attention: Any = "sdpa",
+    attention: Any = None,
     resume: bool = False,
     stop_after: int | None = None,
     time_limit: float | None = None,
@@ -269,21 +319,44 @@ def train(
 ) -> dict[str, Any]:
     """Train (or resume) a run in ``run_dir``; returns its summary (also written to ``summary.json``).
 
-    ``stop_after`` (steps) and ``time_limit`` (seconds of this invocation) stop early with a
-    checkpoint, to be continued with ``resume=True``.
+    Args:
+        config: the task's configuration (:func:`mita.lra.config.load_config`).
+        data: the task's data (:func:`mita.lra.data.loaders.load`).
+        run_dir: the run folder: ``config.json`` (written first), ``metrics.csv``, ``tb/``,
+            ``checkpoint.pt``, ``best.pt``, ``model.safetensors`` (best-validation weights) and
+            ``summary.json``.
+        attention: a registered attention or config (default: "sdpa", or on resume the run's).
+        resume: continue from ``run_dir/checkpoint.pt`` (or start a folder with none). Of
+            ``config`` only :data:`RESUMABLE` train keys may differ from the run's (e.g. more
+            steps: the schedule is recomputed for the new total); anything else, another
+            attention or other data is a ValueError.
+        stop_after: stop with a checkpoint once this many steps are done (default: never).
+        time_limit: stop with a checkpoint after this many seconds of this call (default: never).
+        progress: show a progress bar (default True).
+        tensorboard: also write TensorBoard logs (default True).
+        ctx: this process's place in a DDP run (default: :func:`init_distributed`).
     """
     from tqdm import tqdm
 
     ctx = ctx or init_distributed()
     run_dir = Path(run_dir)
     resuming = prepare_run_dir(run_dir, resume, ctx)
-    if ctx.world > 1:
-        dist.barrier()
-    state = torch.load(run_dir / CHECKPOINT, map_location="cpu", weights_only=False) if resuming else None
+    ctx.barrier()
+    state = load_checkpoint(run_dir / CHECKPOINT) if resuming else None
+    changed: list[str] = []
     if state is not None:
-        if state["meta"] != meta_of(data):
-            raise ValueError(f"--resume: the run was trained on data {state['meta']}, not {meta_of(data)}")
-        config, attention = state["config"], state["attention"]
+        changed = _check_resume(state, config, attention, data)
+        attention = state["attention"]
+        if changed and ctx.main:
+            print(f"--resume: changed {', '.join(changed)}", file=sys.stderr)
+    attention = "sdpa" if attention is None else attention
+    if ctx.main and (state is None or changed):
+        atomic_write_text(run_dir / MANIFEST, json.dumps({"config": config, "attention": attention}, indent=2))
+    if ctx.main and state is None:  # a reused folder: no logs of the run that never checkpointed
+        import shutil
+
+        shutil.rmtree(run_dir / "tb", ignore_errors=True)
+        (run_dir / METRICS).unlink(missing_ok=True)
     tc = config["train"]
     gb, accum, steps = int(tc["batch_size"]), int(tc.get("accum", 1)), int(tc["steps"])
     if gb % (ctx.world * accum):
@@ -311,8 +384,6 @@ def train(
         scaler.load_state_dict(state["scaler"])
         step, best, train_seconds = state["step"], state["best_val"], state["train_seconds"]
         _set_rng_state(state["rng"])
-    elif ctx.main:
-        (run_dir / "config.json").write_text(json.dumps({"config": config, "attention": attention}, indent=2))
     ddp = (
         torch.nn.parallel.DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
         if ctx.world > 1
@@ -323,7 +394,7 @@ def train(
 
     def checkpoint(path: Path) -> None:
         if ctx.main:
-            save_atomic(
+            save_checkpoint(
                 {
                     "model": model.state_dict(),
                     "optimizer": opt.state_dict(),
@@ -429,17 +500,44 @@ def train(
         final = run_eval("test")
         summary.update(test_accuracy_last=final["accuracy"], test_samples_per_s=final["samples_per_s"])
         if (run_dir / BEST).exists():
-            best_model = torch.load(run_dir / BEST, map_location="cpu", weights_only=False)
+            best_model = load_checkpoint(run_dir / BEST)
             live = model.state_dict()
             model.load_state_dict(best_model["model"])
+            if ctx.main:
+                save_weights(best_model["model"], run_dir / WEIGHTS, _weights_metadata(best_model))
             summary["test_accuracy_best_val"] = evaluate(
                 model, data.splits["test"], int(tc["eval_batch_size"]), ctx, precision
             )["accuracy"]
             model.load_state_dict(live)
     if ctx.main:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
     logger.close()
     return summary
+
+
+_RUN_KEYS = ("config", "attention", "meta", "step")
+
+
+def _weights_metadata(state: dict[str, Any]) -> dict[str, str]:
+    return {"mita.lra": json.dumps({k: state[k] for k in _RUN_KEYS})}
+
+
+def read_run_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A run's ``checkpoint.pt`` / ``best.pt`` (loaded without running code) or its
+    ``model.safetensors``: at least "model", "config", "attention", "meta" and "step"."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        weights, metadata = load_weights(path)
+        try:
+            state = {**json.loads(metadata["mita.lra"]), "model": weights}
+        except (KeyError, json.JSONDecodeError):
+            raise ValueError(f"{path} holds weights but not the run metadata of mita lra train") from None
+    else:
+        state = load_checkpoint(path)
+    missing = [k for k in ("model", *_RUN_KEYS) if k not in state]
+    if missing:
+        raise ValueError(f"{path} is not a checkpoint of mita lra train: it lacks {missing}")
+    return state
 
 
 def evaluate_checkpoint(
@@ -457,11 +555,11 @@ def evaluate_checkpoint(
     if path.is_dir():
         path = path / BEST if (path / BEST).exists() else path / CHECKPOINT
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} not found; pass a run folder or a .pt file")
+        raise FileNotFoundError(f"checkpoint {path} not found; pass a run folder, a .pt or a .safetensors file")
     if split not in data.splits:
         raise ValueError(f"split must be one of {list(data.splits)}, got {split!r}")
     ctx = ctx or init_distributed()
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = read_run_checkpoint(path)
     if state["meta"] != meta_of(data):
         raise ValueError(f"checkpoint {path} was trained on data {state['meta']}, not {meta_of(data)}")
     used = attention if attention is not None else state["attention"]

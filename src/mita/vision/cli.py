@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from ..utils.files import atomic_write_text
+from ..utils.flags import add_force, add_out
 from .digits import DigitsSetup
 from .experiments import ROBUSTNESS_K, ROBUSTNESS_M
 
@@ -37,8 +39,12 @@ def _setup(args: argparse.Namespace, attention: str) -> DigitsSetup:
     return DigitsSetup(attention=attention, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
 
 
-def _flops(args: argparse.Namespace) -> int:
+def cmd_flops(args: argparse.Namespace) -> int:
+    """``mita vision flops``: FLOP and parameter tables, full attention against MiTA."""
     from . import flops
+    from .experiments import prepare_output
+
+    out = prepare_output(args.out, args.force) if args.out else None  # checked before the tables are computed
 
     rows = [flops.backbone_row(b, counted=not args.no_counted) for b in flops.TABLE_BACKBONES]
     sweep = flops.length_sweep()
@@ -57,10 +63,9 @@ def _flops(args: argparse.Namespace) -> int:
         ]
     )
     print(text)
-    if args.out:
-        from .experiments import prepare_output, pyplot
+    if out is not None:
+        from .experiments import pyplot
 
-        out = prepare_output(args.out, args.force)
         lengths = [2**p for p in range(7, 17)]
         per_head = flops.method_flops_per_head(lengths)
         plt = pyplot()
@@ -78,12 +83,13 @@ def _flops(args: argparse.Namespace) -> int:
         fig.savefig(out / "flops_vs_length.png", dpi=120)
         plt.close(fig)
         figure = "![FLOPs against length](flops_vs_length.png)"
-        (out / "report.md").write_text(f"# FLOP tables\n\nCommand: `{command_line(args)}`\n\n{text}\n{figure}\n")
+        atomic_write_text(out / "report.md", f"# FLOP tables\n\nCommand: `{command_line(args)}`\n\n{text}\n{figure}\n")
         print(f"wrote {out / 'report.md'}")
     return 0
 
 
-def _swap(args: argparse.Namespace) -> int:
+def cmd_swap(args: argparse.Namespace) -> int:
+    """``mita vision swap``: train with SDPA, evaluate with every other attention."""
     from .experiments import prepare_output, run_swap
 
     out = prepare_output(args.out, args.force)
@@ -92,7 +98,8 @@ def _swap(args: argparse.Namespace) -> int:
     return 0
 
 
-def _robustness(args: argparse.Namespace) -> int:
+def cmd_robustness(args: argparse.Namespace) -> int:
+    """``mita vision robustness``: MiTA trained with small m, k, evaluated with larger ones."""
     from .experiments import prepare_output, run_robustness
 
     out = prepare_output(args.out, args.force)
@@ -103,7 +110,8 @@ def _robustness(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pruning(args: argparse.Namespace) -> int:
+def cmd_pruning(args: argparse.Namespace) -> int:
+    """``mita vision pruning``: the tokens no MiTA expert selects, per layer."""
     from .experiments import prepare_output, run_pruning
 
     out = prepare_output(args.out, args.force)
@@ -112,9 +120,17 @@ def _pruning(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    """``mita vision train``: the DeiT recipe on an ImageFolder tree (under torchrun: DDP)."""
+    from .train import run
+
+    run(args)
+    return 0
+
+
 def _digits_arguments(p: argparse.ArgumentParser, out: str) -> None:
-    p.add_argument("--out", type=Path, default=Path(out), help=f"output folder (default {out})")
-    p.add_argument("--force", action="store_true", help="overwrite an existing report (and a mismatched checkpoint)")
+    add_out(p, f"output folder (default {out})", default=Path(out), type=Path)
+    add_force(p, "write into a non-empty --out (an existing report, a mismatched checkpoint)")
     p.add_argument("--epochs", type=int, default=_DIGITS_DEFAULTS.epochs)
     p.add_argument("--batch-size", type=int, default=_DIGITS_DEFAULTS.batch_size)
     p.add_argument("--lr", type=float, default=_DIGITS_DEFAULTS.lr)
@@ -122,33 +138,60 @@ def _digits_arguments(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--threads", type=int, help="torch threads (1 is fastest on a busy machine)")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    from .train import add_train_parser
+def _add_train_parser(vision: argparse._SubParsersAction) -> None:
+    p = vision.add_parser("train", help="train a (MiTA-)DeiT on an ImageFolder tree; run it under torchrun")
+    p.add_argument("--data", required=True, help="folder with train/<class>/... and val/<class>/...")
+    what = "folder for checkpoint.pth, model.safetensors, log.jsonl, summary.json"
+    add_out(p, what, required=True, deprecated=["--output"])
+    p.add_argument("--model", default="mita_deit_small_patch16_224", help="any timm model name")
+    p.add_argument("--model-args", help="extra create_model options, e.g. 'num_landmarks=25,topk=25,compat=official'")
+    p.add_argument("--img-size", type=int, default=224)
+    p.add_argument("--epochs", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=128, help="per process (DeiT: 8 GPUs x 128 = 1024)")
+    p.add_argument("--lr", type=float, default=5e-4, help="for a total batch of 512, scaled linearly")
+    p.add_argument("--weight-decay", type=float, default=0.05)
+    p.add_argument("--warmup-epochs", type=int, default=5)
+    p.add_argument("--drop-path", type=float, default=0.1)
+    p.add_argument("--aa", default="rand-m9-mstd0.5-inc1", help="timm auto-augment policy ('' for none)")
+    p.add_argument("--reprob", type=float, default=0.25, help="random erasing probability")
+    p.add_argument("--mixup", type=float, default=0.8)
+    p.add_argument("--cutmix", type=float, default=1.0)
+    p.add_argument("--smoothing", type=float, default=0.1)
+    p.add_argument("--clip-grad", type=float, default=None)
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--amp", action="store_true", help="bfloat16 autocast")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (smoke tests)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pth")
+    add_force(p, "start over even if --out holds a run")
+    p.set_defaults(func=cmd_train)
 
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("vision", help="ViTs with MiTA: FLOP tables, digits experiments, ImageNet trainer")
     vision = parser.add_subparsers(dest="vision_command", required=True, metavar="VISION_COMMAND")
 
     p = vision.add_parser("flops", help="FLOP and parameter tables, full attention vs MiTA")
-    p.add_argument("--out", type=Path, help="also write report.md and flops_vs_length.png here")
-    p.add_argument("--force", action="store_true", help="overwrite an existing report")
+    add_out(p, "also write report.md and flops_vs_length.png here", type=Path)
+    add_force(p, "write into a non-empty --out (an existing report)")
     p.add_argument("--no-counted", action="store_true", help="skip counting the MiTA implementation itself")
-    p.set_defaults(func=_flops)
+    p.set_defaults(func=cmd_flops)
 
     p = vision.add_parser("swap", help="train with SDPA, evaluate with MiTA and the other methods")
     _digits_arguments(p, "runs/vision/swap")
     p.add_argument("--attention", nargs="+", help="configs to evaluate (default: every registered method)")
-    p.set_defaults(func=_swap)
+    p.set_defaults(func=cmd_swap)
 
     p = vision.add_parser("robustness", help="train MiTA with small m, k; evaluate on a grid of larger m, k")
     _digits_arguments(p, "runs/vision/robustness")
     p.add_argument("--train-attention", default="mita:num_landmarks=4,topk=4", help="the MiTA config trained")
     p.add_argument("--m", type=int, nargs="+", default=list(ROBUSTNESS_M), help="landmarks (squares)")
     p.add_argument("--k", type=int, nargs="+", default=list(ROBUSTNESS_K), help="keys per expert")
-    p.set_defaults(func=_robustness)
+    p.set_defaults(func=cmd_robustness)
 
     p = vision.add_parser("pruning", help="tokens no MiTA expert selects, per layer, and heat maps")
     _digits_arguments(p, "runs/vision/pruning")
     p.add_argument("--train-attention", default="mita:num_landmarks=16,topk=16", help="the MiTA config trained")
-    p.set_defaults(func=_pruning)
+    p.set_defaults(func=cmd_pruning)
 
-    add_train_parser(vision)
+    _add_train_parser(vision)

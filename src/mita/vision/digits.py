@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import attention as registry
+from ..utils.checkpoint import load_checkpoint, save_checkpoint
 
 GRID = 8  # patches per side: 32 px images, 4 px patches
 
@@ -99,13 +100,13 @@ def _matching_checkpoint(checkpoint: Path | None, setup: DigitsSetup, restart: b
     """The checkpoint's state if it exists and was made with ``setup``; a mismatch is an error unless ``restart``."""
     if checkpoint is None or not checkpoint.exists():
         return None
-    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
-    if state["setup"] == asdict(setup):
+    state = load_checkpoint(checkpoint)
+    if state.get("setup") == asdict(setup):
         return state
     if restart:
         return None
     raise ValueError(
-        f"checkpoint {checkpoint} was made with {state['setup']}, not {asdict(setup)}; "
+        f"checkpoint {checkpoint} was made with {state.get('setup')}, not {asdict(setup)}; "
         "use another output folder or --force to train over it"
     )
 
@@ -163,7 +164,6 @@ def train(
                 "epoch": epoch + 1,
                 "seconds": seconds,
             }
-            torch.save(state, checkpoint.with_suffix(".tmp"))
-            checkpoint.with_suffix(".tmp").replace(checkpoint)
+            save_checkpoint(state, checkpoint)
         log(f"{setup.attention} epoch {epoch + 1}/{setup.epochs}: loss {total / len(order):.4f}")
     return model, {"test_accuracy": evaluate(model, x_test, y_test), "train_seconds": seconds}

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import platform
-import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, replace
@@ -25,6 +22,8 @@ import torch
 
 from .. import attention as registry
 from ..layers.mita import MiTAAttention
+from ..utils.files import atomic_write_text, prepare_output_dir
+from ..utils.machine import describe
 from .digits import GRID, DigitsSetup, evaluate, load_digits, train
 from .flops import markdown_table
 
@@ -43,6 +42,7 @@ SWAP_MITA_EXTRA = ("mita:num_landmarks=4,topk=8", "mita:num_landmarks=64,topk=65
 ROBUSTNESS_M = (1, 4, 9, 16, 25, 36, 64)
 ROBUSTNESS_K = (1, 2, 4, 8, 16, 32, 65)
 REPORT = "report.md"
+CHECKPOINTS = ("sdpa.pt", "mita.pt")  # the digits models the experiments train (and resume)
 
 Log = Callable[[str], None]
 
@@ -59,23 +59,10 @@ def swap_configs() -> list[str]:
 
 
 def prepare_output(out: Path | str, force: bool) -> Path:
-    """Create ``out``; refuse to overwrite a report in it unless ``force``."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a folder")
-    if (out / REPORT).exists() and not force:
-        raise ValueError(f"{out / REPORT} exists; pass --force to overwrite it (or pick another --out)")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
-def machine() -> str:
-    """A one-line description of where a result was measured."""
-    cpu = " ".join(filter(None, (platform.machine(), platform.processor())))
-    return (
-        f"{cpu} CPU ({os.cpu_count()} cores), {torch.get_num_threads()} torch threads, "
-        f"Python {sys.version.split()[0]}, torch {torch.__version__}, {platform.system()}"
-    )
+    """Create ``out`` before any work. Refuses a file, a path under a file, an unwritable
+    folder, and unless ``force`` a folder holding anything but the checkpoint of an
+    interrupted run (which is resumed)."""
+    return prepare_output_dir(out, force=force, ignore=CHECKPOINTS)
 
 
 def write_report(
@@ -87,7 +74,7 @@ def write_report(
         "",
         f"Command: `{command}`",
         "",
-        f"Machine: {machine()}",
+        f"Machine: {describe()}",
         "",
         "Setup: "
         + ", ".join(f"{k}={v}" for k, v in asdict(setup).items())
@@ -96,7 +83,7 @@ def write_report(
         "",
     ]
     path = out / REPORT
-    path.write_text("\n".join([*head, *sections]) + "\n")
+    atomic_write_text(path, "\n".join([*head, *sections]) + "\n")
     return path
 
 

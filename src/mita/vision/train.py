@@ -4,9 +4,10 @@ It trains any timm model name (the registered ``mita_deit_*`` ones included) on 
 ImageFolder tree (``DATA/train/<class>/*.JPEG``, ``DATA/val/<class>/*.JPEG``) with the DeiT
 recipe's pieces from timm (RandAugment, random erasing, Mixup/CutMix, label smoothing, AdamW,
 cosine schedule with warm-up, stochastic depth). Launched by ``torchrun`` it runs data-parallel
-(one process per GPU, NCCL; gloo on CPU). Every epoch it saves ``OUTPUT/checkpoint.pth``;
-``--resume`` continues from it, and an existing checkpoint is never overwritten without
-``--resume`` or ``--force``.
+(one process per GPU, NCCL; gloo on CPU). Every epoch it saves ``OUT/checkpoint.pth`` (tensors
+and plain types, loaded with ``weights_only=True``) and ``OUT/model.safetensors`` (the
+weights, for exchange); ``--resume`` continues from the checkpoint, and an existing run is
+never overwritten without ``--resume`` or ``--force``. Its parser is in :mod:`mita.vision.cli`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -22,46 +22,44 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import attention as registry
+from ..utils.checkpoint import load_checkpoint, save_checkpoint, save_weights
+from ..utils.distributed import init_distributed
+from ..utils.files import atomic_write_text, prepare_output_dir
+from ..utils.options import parse_assignments, split_items
 
-
-def _model_args(text: str | None) -> dict[str, Any]:
-    """``key=value,...`` (the registry's option syntax) as a dict."""
-    return {} if not text else registry.parse("model:" + text)[1]
-
-
-def _setup_distributed() -> tuple[bool, int, int, torch.device]:
-    """(distributed, rank, world size, device), from torchrun's environment."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
-    if world > 1:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        return True, dist.get_rank(), world, device
-    return False, 0, 1, device
+CHECKPOINT = "checkpoint.pth"
 
 
 def _check_args(args: argparse.Namespace) -> tuple[Path, Path]:
-    data, output = Path(args.data), Path(args.output)
+    """Every argument, and the output folder, checked before any work."""
+    data, output = Path(args.data), Path(args.out)
     for split in ("train", "val"):
         if not (data / split).is_dir():
             raise FileNotFoundError(f"--data {data} needs an ImageFolder tree with {split}/<class>/<images>")
-    for name in ("epochs", "batch_size"):
+    for name in ("epochs", "batch_size", "img_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("workers", "max_steps", "warmup_epochs"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.lr <= 0:
         raise ValueError(f"--lr must be > 0, got {args.lr}")
     if (args.mixup > 0 or args.cutmix > 0) and args.batch_size % 2:
         raise ValueError(
             f"Mixup/CutMix needs an even --batch-size, got {args.batch_size} (or pass --mixup 0 --cutmix 0)"
         )
-    if (output / "checkpoint.pth").exists() and not (args.resume or args.force):
-        raise ValueError(f"{output / 'checkpoint.pth'} exists; pass --resume to continue it or --force to start over")
-    if args.resume and not (output / "checkpoint.pth").exists():
-        raise FileNotFoundError(f"--resume: no checkpoint at {output / 'checkpoint.pth'}")
+    if args.resume and not (output / CHECKPOINT).is_file():
+        raise FileNotFoundError(f"--resume: no checkpoint at {output / CHECKPOINT}")
+    if (output / CHECKPOINT).exists() and not (args.resume or args.force):
+        raise FileExistsError(f"{output / CHECKPOINT} exists; pass --resume to continue it or --force to start over")
+    hint = "pass --force to start over in it, or pick another --out"
+    prepare_output_dir(output, force=args.force, reuse=args.resume, create=False, hint=hint)
     return data, output
+
+
+def model_args(text: str | None) -> dict[str, Any]:
+    """``--model-args 'num_landmarks=25,topk=25'`` as a dict (a key given twice is an error)."""
+    return parse_assignments(split_items(text or ""), "--model-args")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -77,7 +75,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     data, output = _check_args(args)
     register_models()
-    distributed, rank, world, device = _setup_distributed()
+    ctx = init_distributed()
+    distributed, rank, world, device = ctx.distributed, ctx.rank, ctx.world, ctx.device
     torch.manual_seed(args.seed + rank)
     classes = ImageFolder(data / "val").classes
     model = timm.create_model(
@@ -85,7 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         num_classes=len(classes),
         drop_path_rate=args.drop_path,
         img_size=args.img_size,
-        **_model_args(args.model_args),
+        **model_args(args.model_args),
     ).to(device)
     cfg = resolve_data_config({"input_size": (3, args.img_size, args.img_size)}, model=model)
     train_set = ImageFolder(
@@ -117,9 +116,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     criterion = SoftTargetCrossEntropy() if mixup else torch.nn.CrossEntropyLoss(label_smoothing=args.smoothing)
     start, steps, best = 0, 0, 0.0
-    ckpt = output / "checkpoint.pth"
+    ckpt = output / CHECKPOINT
     if args.resume:
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        state = load_checkpoint(ckpt)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start, steps, best = state["epoch"], state["steps"], state["best"]
@@ -165,7 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "lr": optimizer.param_groups[0]["lr"],
         }
         if rank == 0:
-            recipe = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"}
+            recipe = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
             state = {
                 "model": model.state_dict(),
                 "optimizer": optimizer.state_dict(),
@@ -174,11 +173,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "best": best,
                 "args": recipe,
             }
-            torch.save(state, output / "checkpoint.tmp")
-            (output / "checkpoint.tmp").replace(ckpt)
+            save_checkpoint(state, ckpt)
+            save_weights(model.state_dict(), output / "model.safetensors", {"timm_model": args.model})
             with open(output / "log.jsonl", "a") as f:
                 f.write(json.dumps(summary) + "\n")
-            (output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            atomic_write_text(output / "summary.json", json.dumps(summary, indent=2) + "\n")
             print(json.dumps(summary))
         if args.max_steps and steps >= args.max_steps:
             break
@@ -198,36 +197,3 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, amp: bool = F
         correct += int((logits.argmax(-1).cpu() == targets).sum())
         total += len(targets)
     return 100.0 * correct / max(total, 1)
-
-
-def add_train_parser(vision: argparse._SubParsersAction) -> None:
-    p = vision.add_parser("train", help="train a (MiTA-)DeiT on an ImageFolder tree; run it under torchrun")
-    p.add_argument("--data", required=True, help="folder with train/<class>/... and val/<class>/...")
-    p.add_argument("--output", required=True, help="folder for checkpoint.pth, log.jsonl, summary.json")
-    p.add_argument("--model", default="mita_deit_small_patch16_224", help="any timm model name")
-    p.add_argument("--model-args", help="extra create_model options, e.g. 'num_landmarks=25,topk=25,compat=official'")
-    p.add_argument("--img-size", type=int, default=224)
-    p.add_argument("--epochs", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=128, help="per process (DeiT: 8 GPUs x 128 = 1024)")
-    p.add_argument("--lr", type=float, default=5e-4, help="for a total batch of 512, scaled linearly")
-    p.add_argument("--weight-decay", type=float, default=0.05)
-    p.add_argument("--warmup-epochs", type=int, default=5)
-    p.add_argument("--drop-path", type=float, default=0.1)
-    p.add_argument("--aa", default="rand-m9-mstd0.5-inc1", help="timm auto-augment policy ('' for none)")
-    p.add_argument("--reprob", type=float, default=0.25, help="random erasing probability")
-    p.add_argument("--mixup", type=float, default=0.8)
-    p.add_argument("--cutmix", type=float, default=1.0)
-    p.add_argument("--smoothing", type=float, default=0.1)
-    p.add_argument("--clip-grad", type=float, default=None)
-    p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--amp", action="store_true", help="bfloat16 autocast")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (smoke tests)")
-    p.add_argument("--resume", action="store_true", help="continue from OUTPUT/checkpoint.pth")
-    p.add_argument("--force", action="store_true", help="start over even if OUTPUT/checkpoint.pth exists")
-    p.set_defaults(func=_main)
-
-
-def _main(args: argparse.Namespace) -> int:
-    run(args)
-    return 0

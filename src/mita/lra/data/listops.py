@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...utils.files import atomic_write
+
 OPERATORS: dict[str, Callable[[list[int]], int]] = {
     "[MIN": min,
     "[MAX": max,
@@ -130,15 +132,13 @@ def generate(out_dir: str | Path, spec: ListOpsSpec = ListOpsSpec(), overwrite: 
     paths = {split: out / f"basic_{split}.tsv" for split in SPLITS}
     existing = [str(p) for p in paths.values() if p.exists()]
     if existing and not overwrite:
-        raise FileExistsError(f"ListOps files exist already: {existing}; pass overwrite=True (--overwrite)")
+        raise FileExistsError(f"ListOps files exist already: {existing}; pass overwrite=True (--force)")
     out.mkdir(parents=True, exist_ok=True)
     rng, seen = random.Random(spec.seed), set()
     counts = {"train": spec.num_train, "val": spec.num_val, "test": spec.num_test}
     for split, path in paths.items():
-        tmp = path.with_suffix(".tsv.tmp")
-        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+        with atomic_write(path, "w", encoding="utf-8", newline="\n") as f:
             f.write("Source\tTarget\n")
             for text, value in samples(spec, counts[split], rng, seen):
                 f.write(f"{text}\t{value}\n")
-        tmp.replace(path)
     return paths

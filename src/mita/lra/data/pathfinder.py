@@ -222,7 +222,7 @@ def generate(
         )
     root = Path(out_dir) / f"pathfinder{spec.size}" / spec.difficulty
     if (root / "metadata").exists() and not overwrite:
-        raise FileExistsError(f"{root} holds a Pathfinder set already; pass overwrite=True (--overwrite)")
+        raise FileExistsError(f"{root} holds a Pathfinder set already; pass overwrite=True (--force)")
     jobs = [  # chunks of at most 100 samples, each inside one folder
         (spec, root, start // per_folder, lo, min(lo + 100, start + per_folder, num_samples))
         for start in range(0, num_samples, per_folder)

@@ -1,0 +1,49 @@
+"""What a measured number depends on: the machine, the threads, the versions."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+__all__ = ["describe", "machine_info"]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: str = "cpu") -> dict[str, object]:
+    """CPU model, cores, torch threads, versions and the CUDA device of ``device`` (default ``"cpu"``)."""
+    cuda = device.startswith("cuda")
+    return {
+        "cpu_model": _cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": device,
+        "cuda_device": torch.cuda.get_device_name(device) if cuda else None,
+        "cuda_version": torch.version.cuda if cuda else None,
+    }
+
+
+def describe(info: dict[str, object] | None = None) -> str:
+    """One line of :func:`machine_info` (default: this machine, CPU) for reports."""
+    info = info or machine_info()
+    gpu = f", {info['cuda_device']} (CUDA {info['cuda_version']})" if info.get("cuda_device") else ""
+    return (
+        f"{info['cpu_model']} ({info['usable_cpus']} usable CPUs), {info['torch_threads']} torch threads, "
+        f"Python {info['python']}, torch {info['torch']}, {info['platform']}{gpu}"
+    )
