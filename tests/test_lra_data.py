@@ -294,3 +294,122 @@ def test_listops_draws_use_only_python_random():
 
 
 LISTOPS_VAL_SHA256 = "f714c77ec0e7e47937421c0760968cfa1047da3fbb67346374615851cc56c136"
+
+
+# --- hostile and careless files (issue 12: items 9, 10, 11, 18) ------------------------------
+
+
+class _Payload:
+    """Unpickling this calls ``pathlib.Path.touch`` on ``marker``: code run by a data file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import pathlib
+
+        return pathlib.Path(self.marker).touch, ()
+
+
+def test_cifar_batch_with_a_code_payload_is_refused_without_running_it(tmp_path):
+    _cifar(tmp_path)
+    marker = tmp_path / "payload-ran"
+    evil = {b"data": np.zeros((4, 3072), np.uint8), b"labels": [0, 1, 2, 3], b"x": _Payload(marker)}
+    for protocol in (2, 4, 5):
+        (tmp_path / "cifar-10-batches-py" / "data_batch_2").write_bytes(pickle.dumps(evil, protocol=protocol))
+        with pytest.raises(ValueError, match=r"data_batch_2 is not a CIFAR-10 python batch.*refused"):
+            loaders.load_image(tmp_path)
+        assert not marker.exists()
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_cifar_batches_of_every_pickle_protocol_load(tmp_path, protocol):
+    folder = tmp_path / "cifar-10-batches-py"
+    _cifar(tmp_path)
+    batch = {
+        b"batch_label": b"training batch 1 of 5",
+        b"data": np.full((4, 3072), 7, np.uint8),
+        b"labels": [9, 8, 7, 6],
+        b"filenames": [b"a.png", b"b.png", b"c.png", b"d.png"],
+    }
+    (folder / "data_batch_1").write_bytes(pickle.dumps(batch, protocol=protocol))
+    data = loaders.load_image(tmp_path)
+    assert data.splits["train"].labels[:4].tolist() == [9, 8, 7, 6]
+    assert int(data.splits["train"].tokens[0, 0]) == 8
+
+
+def _pathfinder_set(root, lines):
+    (root / "metadata").mkdir(parents=True)
+    (root / "imgs" / "0").mkdir(parents=True)
+    Image.fromarray(np.zeros((32, 32), np.uint8)).save(root / "imgs" / "0" / "sample_0.png")
+    (root / "metadata" / "0.npy").write_text("".join(f"{line}\n" for line in lines))
+
+
+@pytest.mark.parametrize(
+    "entry", ["imgs/0 ../../../secret.png", "/etc passwd", "imgs ../../outside.png"], ids=["dotdot", "abs", "up2"]
+)
+def test_pathfinder_metadata_cannot_leave_the_data_folder(tmp_path, entry):
+    root = tmp_path / "data" / "set"
+    _pathfinder_set(root, ["imgs/0 sample_0.png 0 1", f"{entry} 1 0"])
+    Image.fromarray(np.zeros((32, 32), np.uint8)).save(tmp_path / "data" / "outside.png")
+    with pytest.raises(ValueError, match="lies outside the data folder"):
+        loaders.load_pathfinder(root)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="needs FIFOs")
+def test_pathfinder_fifo_is_refused_not_waited_on(tmp_path):
+    import os
+
+    root = tmp_path / "set"
+    _pathfinder_set(root, ["imgs/0 sample_0.png 0 1", "imgs/0 pipe.png 1 0"])
+    os.mkfifo(root / "imgs" / "0" / "pipe.png")
+    with pytest.raises(ValueError, match=r"pipe.png is not a regular file"):
+        loaders.load_pathfinder(root)
+    (root / "metadata" / "0.npy").unlink()
+    os.mkfifo(root / "metadata" / "0.npy")
+    with pytest.raises(ValueError, match=r"0.npy is not a regular file"):
+        loaders.load_pathfinder(root)
+
+
+def test_corrupt_png_and_binary_metadata_are_named(tmp_path):
+    root = tmp_path / "set"
+    _pathfinder_set(root, ["imgs/0 sample_0.png 0 1"])
+    png = root / "imgs" / "0" / "sample_0.png"
+    png.write_bytes(png.read_bytes()[:40])  # truncated
+    with pytest.raises(ValueError, match=r"sample_0.png is not a readable image"):
+        loaders.load_pathfinder(root)
+    (root / "metadata" / "0.npy").write_bytes(np.lib.format.magic(1, 0) + b"\x00\x01binary")
+    with pytest.raises(ValueError, match=r"0.npy is a binary file"):
+        loaders.load_pathfinder(root)
+
+
+def test_non_utf8_listops_is_named(tmp_path):
+    for split in loaders.SPLITS:
+        (tmp_path / f"basic_{split}.tsv").write_bytes(b"Source\tTarget\n( [MAX 1 \xff ] )\t1\n")
+    with pytest.raises(ValueError, match=r"basic_train.tsv is not UTF-8 text \(byte 0xff at offset 23\)"):
+        loaders.load_listops(tmp_path)
+
+
+def test_listops_header_with_a_byte_order_mark_and_a_long_line(tmp_path):
+    long_source = " ".join(["( [MAX", *["1"] * 70_000, "] )"])  # one field over 128 KiB
+    for split in loaders.SPLITS:
+        (tmp_path / f"basic_{split}.tsv").write_text(f"\ufeffSource\tTarget\n{long_source}\t1\n", encoding="utf-8")
+    assert len(long_source) > 128 * 1024
+    data = loaders.load_listops(tmp_path, max_length=8)
+    assert data.splits["train"].labels.tolist() == [1] and int(data.splits["train"].lengths[0]) == 8
+
+
+@pytest.mark.parametrize("label", ["7", "-1", "0.9", "yes", ""])
+def test_retrieval_labels_must_be_zero_or_one(tmp_path, label):
+    for name in loaders.RETRIEVAL_FILES.values():
+        (tmp_path / name).write_text(f"1\tp1\tp2\tabc\tdefg\n{label}\tp3\tp4\txy\tz\n")
+    with pytest.raises(ValueError, match=r"train.tsv, line 2: label must be 0 or 1"):
+        loaders.load_retrieval(tmp_path)
+
+
+def test_retrieval_reads_a_document_over_128_kib(tmp_path):
+    big = "x" * (200 * 1024)
+    for name in loaders.RETRIEVAL_FILES.values():
+        (tmp_path / name).write_text(f"1.0\tp1\tp2\t{big}\tdefg\n")
+    data = loaders.load_retrieval(tmp_path, max_length=8)
+    assert data.splits["train"].labels.tolist() == [1] and int(data.splits["train"].lengths[0]) == 8

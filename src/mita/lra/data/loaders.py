@@ -4,17 +4,22 @@ Every loader returns a :class:`Split` per split name ("train", "val", "test"): t
 ids in an int16 tensor padded with 0 to the task length, the real lengths, the labels,
 and for Retrieval a second text. Bytes and pixels are stored as value + 1, so 0 is
 always padding. A missing or malformed file raises an error naming it and what was
-expected.
+expected. Nothing is read from outside the folder given (Pathfinder's metadata may not
+point elsewhere), only regular files are opened (a FIFO never blocks a load), and the
+CIFAR-10 batches are unpickled admitting only the types of their format.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import pickle
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -71,19 +76,56 @@ def _byte_ids(text: str | bytes, max_length: int) -> np.ndarray:
     return np.frombuffer(data[:max_length], dtype=np.uint8).astype(np.int16) + 1
 
 
-def _need(path: Path, what: str) -> Path:
+def _need(path: Path, what: str, folder: bool = False) -> Path:
+    """``path`` if it is an existing regular file (or folder); else an error naming it and ``what``."""
     if not path.exists():
         raise FileNotFoundError(f"{path} not found; expected {what}")
+    if not (path.is_dir() if folder else path.is_file()):
+        kind = "folder" if folder else "regular file"
+        raise ValueError(f"{path} is not a {kind}; expected {what}")
     return path
+
+
+def _read_text(path: Path, what: str) -> str:
+    """The UTF-8 text of ``path`` (a byte-order mark is dropped); binary or non-UTF-8 content
+    is a ValueError naming the file and the offending byte."""
+    data = _need(path, what).read_bytes()
+    if b"\0" in data:
+        raise ValueError(f"{path} is a binary file (a NUL byte at offset {data.index(0)}); expected {what}")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        bad = data[err.start : err.start + 1].hex()
+        raise ValueError(f"{path} is not UTF-8 text (byte 0x{bad} at offset {err.start}); expected {what}") from None
+
+
+@contextlib.contextmanager
+def _long_fields() -> Iterator[None]:
+    """Let the csv module read fields of any length (its default limit is 128 KiB), then restore it."""
+    old = csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
+    try:
+        yield
+    finally:
+        csv.field_size_limit(old)
+
+
+def _tsv(path: Path, what: str, **kwargs) -> list[list[str]]:
+    """The rows of a tab-separated UTF-8 file; a malformed line is a ValueError naming file and line."""
+    text = _read_text(path, what)
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter="\t", **kwargs)
+    with _long_fields():
+        try:
+            return list(reader)
+        except csv.Error as err:
+            raise ValueError(f"{path}, line {reader.line_num}: {err}; expected {what}") from None
 
 
 def load_listops(root: str | Path, max_length: int = 2_000) -> TaskData:
     """``basic_{train,val,test}.tsv`` (LRA release or :func:`listops.generate`) under ``root``."""
     splits = {}
     for split in SPLITS:
-        path = _need(Path(root) / f"basic_{split}.tsv", "an LRA ListOps TSV with a 'Source\\tTarget' header")
-        with open(path, encoding="utf-8", newline="") as f:
-            rows = list(csv.reader(f, delimiter="\t"))
+        path = Path(root) / f"basic_{split}.tsv"
+        rows = _tsv(path, "an LRA ListOps TSV with a 'Source\\tTarget' header")
         if not rows or [c.strip() for c in rows[0][:2]] != ["Source", "Target"]:
             raise ValueError(f"{path}: the first line must be the header 'Source\\tTarget', got {rows[:1]}")
         seqs, labels = [], []
@@ -112,11 +154,11 @@ def load_text(root: str | Path, max_length: int = 4_096) -> TaskData:
     for part in ("train", "test"):
         seqs, labels = [], []
         for label, name in ((0, "neg"), (1, "pos")):
-            folder = _need(root / part / name, f"the aclImdb folder {part}/{name} of review .txt files")
+            folder = _need(root / part / name, f"the aclImdb folder {part}/{name} of review .txt files", folder=True)
             files = sorted(folder.glob("*.txt"))
             if not files:
                 raise FileNotFoundError(f"{folder} holds no .txt reviews; expected the aclImdb layout")
-            seqs += [_byte_ids(f.read_bytes(), max_length) for f in files]
+            seqs += [_byte_ids(_need(f, "a review .txt file").read_bytes(), max_length) for f in files]
             labels += [label] * len(files)
         loaded[part] = Split(*_pack(seqs, max_length), torch.tensor(labels))
     return TaskData({"train": loaded["train"], "val": loaded["test"], "test": loaded["test"]}, 257, 2, max_length)
@@ -129,35 +171,83 @@ RETRIEVAL_FILES = {
 }
 
 
+def _binary_label(text: str, path: Path, line: int) -> int:
+    """A label 0 or 1 (written "1" or "1.0"); anything else (7, -1, 0.9) is a ValueError."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value not in (0.0, 1.0):
+        raise ValueError(f"{path}, line {line}: label must be 0 or 1, got {text!r}")
+    return int(value)
+
+
 def load_retrieval(root: str | Path, max_length: int = 4_000) -> TaskData:
     """AAN pairs in the LRA release TSVs (``label, id1, id2, text1, text2``), byte-level."""
-    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
     splits = {}
     for split, name in RETRIEVAL_FILES.items():
-        path = _need(Path(root) / name, "an LRA AAN TSV with rows 'label\\tid1\\tid2\\ttext1\\ttext2'")
+        path = Path(root) / name
         first, second, labels = [], [], []
-        with open(path, encoding="utf-8", newline="") as f:
-            for line, row in enumerate(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE), start=1):
-                if len(row) != 5:
-                    raise ValueError(f"{path}, line {line}: expected 5 tab-separated fields, got {len(row)}")
-                try:
-                    labels.append(int(float(row[0])))
-                except ValueError:
-                    raise ValueError(f"{path}, line {line}: label must be 0 or 1, got {row[0]!r}") from None
-                first.append(_byte_ids(row[3], max_length))
-                second.append(_byte_ids(row[4], max_length))
+        rows = _tsv(path, "an LRA AAN TSV with rows 'label\\tid1\\tid2\\ttext1\\ttext2'", quoting=csv.QUOTE_NONE)
+        for line, row in enumerate(rows, start=1):
+            if len(row) != 5:
+                raise ValueError(f"{path}, line {line}: expected 5 tab-separated fields, got {len(row)}")
+            labels.append(_binary_label(row[0], path, line))
+            first.append(_byte_ids(row[3], max_length))
+            second.append(_byte_ids(row[4], max_length))
         tokens, lengths = _pack(first, max_length)
         tokens2, lengths2 = _pack(second, max_length)
         splits[split] = Split(tokens, lengths, torch.tensor(labels), tokens2, lengths2)
     return TaskData(splits, vocab_size=257, num_classes=2, max_length=max_length, dual=True)
 
 
+def _numpy_global(module: str, name: str) -> Any:
+    """The NumPy function a pickled array names, under NumPy 1's module or NumPy 2's."""
+    import importlib
+
+    for candidate in (module.replace("numpy.core.", "numpy._core."), module):
+        with contextlib.suppress(ImportError, AttributeError):
+            return getattr(importlib.import_module(candidate), name)
+    raise pickle.UnpicklingError(f"{module}.{name} is not available in this NumPy")
+
+
+_CIFAR_NUMPY = frozenset(
+    {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.numeric", "_frombuffer"),
+        ("numpy._core.numeric", "_frombuffer"),
+    }
+)
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """Admits only what a CIFAR-10 python batch holds: dicts, lists, bytes, ints and NumPy uint8 arrays."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _CIFAR_NUMPY:
+            return _numpy_global(module, name)
+        if (module, name) == ("numpy", "ndarray"):
+            return np.ndarray
+        if (module, name) == ("numpy", "dtype"):
+            return np.dtype
+        if (module, name) == ("_codecs", "encode"):  # how protocol-2 pickles store bytes
+            import codecs
+
+            return codecs.encode
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of the CIFAR-10 format; refused (not loaded)")
+
+
 def _unpickle(path: Path) -> dict:
     try:
         with open(path, "rb") as f:
-            batch = pickle.load(f, encoding="bytes")
-        data, labels = np.asarray(batch[b"data"], dtype=np.uint8), list(batch[b"labels"])
-    except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError) as err:
+            batch = _CifarUnpickler(f, encoding="bytes").load()
+        data, labels = batch[b"data"], list(batch[b"labels"])
+        if not isinstance(data, np.ndarray) or data.dtype != np.uint8:
+            raise TypeError(f"b'data' is a {type(data).__name__} of {getattr(data, 'dtype', '?')}, not uint8")
+        if not all(isinstance(y, int) and 0 <= y <= 9 for y in labels):
+            raise ValueError("b'labels' must be ints 0-9")
+    except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
         msg = f"{path} is not a CIFAR-10 python batch (a pickled dict with b'data', b'labels'): {err}"
         raise ValueError(msg) from None
     if data.ndim != 2 or data.shape[1] != 3072 or len(labels) != len(data):
@@ -191,31 +281,45 @@ def load_image(root: str | Path, val_size: int = 0) -> TaskData:
     return TaskData({"train": train, "val": val, "test": test}, vocab_size=257, num_classes=10, max_length=1024)
 
 
+def _grey_image(path: Path) -> np.ndarray:
+    """The pixels of an image file as 8-bit grey; a corrupt or non-image file is a ValueError naming it."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as img:
+            return np.asarray(img.convert("L"))
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+        raise ValueError(f"{path} is not a readable image (corrupt or truncated?): {err}") from None
+
+
 def load_pathfinder(root: str | Path, size: int = 32, difficulty: str = "curv_contour_length_14") -> TaskData:
     """Pathfinder / Path-X in the LRA release layout; split 80/10/10 in sample order.
 
     ``root`` is the folder holding ``pathfinder{size}/`` (or the difficulty folder itself).
     """
-    from PIL import Image
-
     root = Path(root)
     folder = root if (root / "metadata").is_dir() else root / f"pathfinder{size}" / difficulty
-    meta_dir = _need(folder / "metadata", f"the metadata folder of an LRA pathfinder{size} set")
+    meta_dir = _need(folder / "metadata", f"the metadata folder of an LRA pathfinder{size} set", folder=True)
+    inside = folder.resolve()
     rows = []
+    what = "LRA pathfinder metadata: lines 'imgs/<b> sample_<i>.png <i> <label 0|1> ...'"
     for meta in sorted(meta_dir.glob("*.npy"), key=lambda p: (len(p.stem), p.stem)):
-        for line_no, line in enumerate(meta.read_text().splitlines(), start=1):
+        for line_no, line in enumerate(_read_text(meta, what).splitlines(), start=1):
             fields = line.split()
             if not fields:
                 continue
             if len(fields) < 4 or fields[3] not in ("0", "1"):
                 raise ValueError(f"{meta}, line {line_no}: expected 'imgs/<b> sample_<i>.png <i> <label 0|1> ...'")
-            rows.append((folder / fields[0] / fields[1], int(fields[3])))
+            path = (folder / fields[0] / fields[1]).resolve()
+            if not path.is_relative_to(inside):
+                where = f"{fields[0]}/{fields[1]}"
+                raise ValueError(f"{meta}, line {line_no}: {where} lies outside the data folder {folder}")
+            rows.append((path, int(fields[3])))
     if not rows:
         raise FileNotFoundError(f"{meta_dir} holds no metadata lines; expected LRA pathfinder metadata/*.npy files")
     pixels = np.empty((len(rows), size * size), dtype=np.int16)
     for i, (path, _) in enumerate(rows):
-        with Image.open(_need(path, f"a {size}x{size} greyscale PNG listed in the metadata")) as img:
-            arr = np.asarray(img.convert("L"))
+        arr = _grey_image(_need(path, f"a {size}x{size} greyscale PNG listed in the metadata"))
         if arr.shape != (size, size):
             raise ValueError(f"{path}: expected a {size}x{size} image, got {arr.shape}")
         pixels[i] = arr.reshape(-1).astype(np.int16) + 1
