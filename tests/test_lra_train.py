@@ -349,3 +349,20 @@ def test_cli_generate_and_speed(tmp_path, capsys):
     )
     rows = out.read_text().splitlines()
     assert rows[0].startswith("attention,length,mode") and len(rows) == 5
+
+
+def test_resume_applies_steps_and_cadence_and_refuses_model_attention_changes(tmp_path, data_dir, capsys):
+    run = str(tmp_path / "run")
+    base = ["--task", "listops", "--variant", "small", "--data", str(data_dir), "--device", "cpu", "--no-progress"]
+    small = ["--set", "data.loader={'max_length': 40}", "--set", "train.batch_size=8", "--set", "model.dim=16"]
+    small += ["--set", "model.mlp_dim=16", "--set", "model.head_dim=8", "--no-tensorboard"]
+    assert cli_main(["lra", "train", *base, *small, "--set", "train.steps=2", "--out", run]) == 0
+    resume = ["lra", "train", "--task", "listops", "--data", str(data_dir), "--device", "cpu", "--no-progress"]
+    resume += ["--no-tensorboard", "--out", run, "--resume"]
+    assert cli_main([*resume, "--set", "train.steps=4", "--set", "train.eval_every=2"]) == 0
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["step"] == 4
+    capsys.readouterr()
+    assert cli_main([*resume, "--set", "model.dim=32"]) == 2
+    assert "--resume cannot change model.dim" in capsys.readouterr().err
+    assert cli_main([*resume, "--attention", MITA]) == 2
+    assert "attention cannot change on resume" in capsys.readouterr().err
