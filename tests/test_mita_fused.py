@@ -5,6 +5,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +29,12 @@ def spy(monkeypatch):
         recorded = lambda *a, _n=name, _f=fn, **kw: calls.append(_n) or _f(*a, **kw)  # noqa: E731
         monkeypatch.setitem(mita_ops.IMPLEMENTATIONS, name, recorded)
     return calls
+
+
+@pytest.fixture
+def kernel() -> None:
+    """The operators are registered (tests calling ``torch.ops.mita`` directly may run alone)."""
+    assert fused.available(), fused.unavailable_reason()
 
 
 @pytest.fixture
@@ -101,7 +110,7 @@ def test_switched_off_falls_back_to_grouped(fresh_state, monkeypatch, spy) -> No
     q, k, v, _ = Case(N=20, m=3, k=4).inputs()
     with torch.no_grad():
         mita_attention(q, k, v, num_landmarks=3, topk=4)
-        with pytest.raises(RuntimeError, match="not available"):
+        with pytest.raises(RuntimeError, match="not available: MITA_FUSED=0 switches it off"):
             mita_attention(q, k, v, num_landmarks=3, topk=4, impl="fused")
     assert spy == ["grouped", "fused"]
 
@@ -111,9 +120,13 @@ def test_failed_build_warns_once_and_falls_back(fresh_state, monkeypatch, tmp_pa
     bad.write_text("this is not C++\n")
     monkeypatch.setattr(fused, "SOURCE", bad)
     monkeypatch.setenv("MITA_CACHE", str(tmp_path / "cache"))
-    with pytest.warns(RuntimeWarning, match="could not be built"):
+    with pytest.warns(RuntimeWarning, match="could not be built") as caught:
         assert not fused.available()
     assert not fused.available()  # decided once per process
+    assert "expected unqualified-id" in str(caught[0].message)  # the compiler's own words, not cut
+    q, k, v, _ = Case(N=20, m=3, k=4).inputs()
+    with pytest.raises(RuntimeError, match=r"(?s)not available: it could not be built .*expected unqualified-id"):
+        mita_attention(q, k, v, num_landmarks=3, topk=4, impl="fused")
 
 
 def test_cache_dir_is_keyed_by_torch_capability_and_source(monkeypatch, tmp_path) -> None:
@@ -122,7 +135,105 @@ def test_cache_dir_is_keyed_by_torch_capability_and_source(monkeypatch, tmp_path
     assert d.parent == tmp_path and torch.__version__ in d.name and fused._isa() in d.name
 
 
-def test_operator_schema_and_fake_kernel() -> None:
+def test_cache_dir_expands_home_and_ignores_the_checkout(monkeypatch, tmp_path) -> None:
+    """``~`` in MITA_CACHE is the home folder; two checkouts of one source share one build."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("MITA_CACHE", "~/kernels")
+    assert fused.cache_root() == tmp_path / "kernels"
+    first = fused.cache_dir()
+    other = tmp_path / "checkout-b" / "fused_cpu.cpp"
+    other.parent.mkdir()
+    other.write_bytes(fused.SOURCE.read_bytes())
+    monkeypatch.setattr(fused, "SOURCE", other)
+    assert fused.cache_dir() == first
+
+
+def test_build_files_hold_no_checkout_path(kernel) -> None:
+    """The kernel is compiled from a copy in the cache: another checkout does not rebuild it."""
+    ninja = (fused.cache_dir() / "build.ninja").read_text()
+    assert str(fused.SOURCE.parent) not in ninja and str(fused.cache_dir() / fused.SOURCE.name) in ninja
+
+
+@pytest.mark.parametrize("fault", ["world-writable", "foreign"])
+def test_untrusted_cache_is_refused(fault, fresh_state, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("MITA_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    if fault == "world-writable":
+        (tmp_path / "cache").chmod(0o777)
+    else:
+        monkeypatch.setattr(os, "getuid", lambda: os.stat(tmp_path).st_uid + 1)
+    with pytest.warns(RuntimeWarning, match="not safe to load code from: .*(writable by every user|another user)"):
+        assert not fused.available()
+    q, k, v, _ = Case(N=20, m=3, k=4).inputs()
+    with pytest.raises(RuntimeError, match="not available: the kernel cache is not safe"):
+        mita_attention(q, k, v, num_landmarks=3, topk=4, impl="fused")
+
+
+CHILD = """
+import sys, torch, warnings
+from pathlib import Path
+from mita.ops.mita import fused
+fused.SOURCE = Path(sys.argv[1])
+torch.library.register_fake = lambda name: lambda fn: fn  # the stand-in source defines no operators
+warnings.simplefilter("error")
+print("loaded" if fused._load() is None else "failed")
+"""
+
+
+def test_empty_or_corrupt_kernel_is_rebuilt(tmp_path) -> None:
+    """A zero-byte or garbage .so in the cache is rebuilt (a stand-in source, for speed), with a message."""
+    source = tmp_path / "probe.cpp"
+    source.write_text("int mita_probe() { return 1; }\n")
+    env = {**os.environ, "MITA_CACHE": str(tmp_path / "cache"), "MITA_FUSED": "1"}
+
+    def load() -> subprocess.CompletedProcess:
+        run = subprocess.run([sys.executable, "-c", CHILD, str(source)], env=env, capture_output=True, text=True)
+        assert run.stdout.strip() == "loaded", run.stderr
+        return run
+
+    assert "compiling the fused CPU kernel" in load().stderr
+    (so,) = Path(tmp_path / "cache").glob("*/*.so")
+    assert "compiling" not in load().stderr  # cached
+    for damage in (b"", b"not an ELF file"):
+        so.write_bytes(damage)
+        assert "compiling the fused CPU kernel" in load().stderr
+        assert so.stat().st_size > 1000
+
+
+def test_double_backward_matches_reference() -> None:
+    """A graph of the gradient (create_graph) is taken through a differentiable path: exact, not dropped."""
+    q, k, v = (torch.randn(1, 2, 64, 8, dtype=torch.float64) for _ in range(3))
+    grads = []
+    for impl in ("reference", "fused"):
+        x = q.clone().requires_grad_()
+        out = mita_attention(x, k, v, num_landmarks=4, topk=4, impl=impl)
+        (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        (out.pow(2).sum() + g.pow(2).sum()).backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-10, atol=1e-10)
+
+
+def test_gradgradcheck() -> None:
+    case = Case(B=1, H=2, Hkv=1, N=12, D=4, m=3, k=4, s=2, mask=True)
+    q, k, v, mask = case.inputs()
+    fn = lambda q, k, v: mita_attention(q, k, v, **case.kwargs(mask), impl="fused")  # noqa: E731
+    assert torch.autograd.gradgradcheck(fn, [t.requires_grad_() for t in (q, k, v)])
+
+
+@pytest.mark.parametrize("dim", ["B", "H", "Hkv", "Nq", "Nk", "D", "m"])
+def test_operator_refuses_empty_sizes(dim, kernel) -> None:
+    """Every size is checked in C++: an error, never a crash (SIGFPE)."""
+    sizes = dict(B=1, H=2, Hkv=2, Nq=8, Nk=8, D=4, m=2)
+    sizes[dim] = 0
+    B, H, Hkv, Nq, Nk, D, m = sizes.values()
+    q, k, landmarks = torch.randn(B, H, Nq, D), torch.randn(B, Hkv, Nk, D), torch.randn(B, H, m, D)
+    with pytest.raises(RuntimeError, match=r"must be >= 1|must be \(B, Hkv, Nk, D\)"):
+        torch.ops.mita.fused_forward(q, k, k, landmarks, None, None, 1, 1, 0.5, 0.5)
+    with pytest.raises(RuntimeError, match=r"must be >= 1|must be \(B, Hkv, Nk, D\)"):
+        torch.ops.mita.fused_backward(q, q, k, k, landmarks, None, None, *(torch.empty(0),) * 6, 0.5, 0.5)
+
+
+def test_operator_schema_and_fake_kernel(kernel) -> None:
     """torch.library's checks: the schema matches what the kernel does, the fake kernel its shapes."""
     q, k, v, mask = Case(B=2, H=2, N=50, D=8, m=4, k=6, s=2, mask=True).inputs(dtype=torch.float32)
     landmarks = torch.randn(2, 2, 4, 8)
@@ -145,7 +256,7 @@ def test_traces_under_torch_compile() -> None:
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
 
 
-def test_backward_operator_rejects_bad_saved_tensors() -> None:
+def test_backward_operator_rejects_bad_saved_tensors(kernel) -> None:
     q, k, v, _ = Case(B=1, H=2, N=30, D=8, m=3, k=4).inputs(dtype=torch.float32)
     landmarks = torch.randn(1, 2, 3, 8)
     out, experts, routes, *saved = torch.ops.mita.fused_forward(q, k, v, landmarks, None, None, 4, 1, 0.3, 0.3)

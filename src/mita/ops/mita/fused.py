@@ -5,16 +5,21 @@ Python-side bookkeeping) and calls the BLAS that PyTorch links for every matrix 
 it saves only the shared values and two log-sum-exps, from which the backward recomputes
 the probabilities it needs, like flash attention.
 It is compiled on first use with the compiler already on the machine and cached in
-``$MITA_CACHE`` (default ``~/.cache/mita``), keyed by torch version and CPU capability,
-so a user waits once. ``MITA_FUSED=0`` turns it off; if it cannot be built, MiTA falls
-back to the pure-PyTorch grouped path with one warning.
+``$MITA_CACHE`` (default ``~/.cache/mita``), keyed by everything that makes a build
+differ (never by the checkout), so a user waits once; a cache folder of another user or
+writable by everyone is refused. ``MITA_FUSED=0`` turns it off; if it cannot be built or
+loaded, MiTA falls back to the pure-PyTorch grouped path with one warning.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import json
 import logging
 import os
+import shutil
+import stat
 import sys
 import sysconfig
 import threading
@@ -26,6 +31,7 @@ import torch
 from ..pooling import pool
 from ..tiling import zero_padding
 from .config import MiTAConfig
+from .grouped import mita_attention_grouped
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_cpu.cpp"
 _ISA_FLAGS = {
@@ -41,61 +47,134 @@ def _isa() -> str:
     return "AVX512" if cap.startswith("AVX512") else "AVX2" if cap == "AVX2" else "DEFAULT"
 
 
+def _cflags() -> list[str]:
+    isa = _isa()
+    defines = [] if isa == "DEFAULT" else [f"-DCPU_CAPABILITY={isa}", f"-DCPU_CAPABILITY_{isa}"]
+    return ["-O3", "-fopenmp", *_ISA_FLAGS.get(isa, []), *defines]
+
+
+def cache_root() -> Path:
+    """``$MITA_CACHE`` (``~`` expanded), else ``$XDG_CACHE_HOME/mita``, else ``~/.cache/mita``."""
+    root = os.environ.get("MITA_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "mita"
+    return Path(root).expanduser()
+
+
 def cache_dir() -> Path:
-    """Where the compiled kernel lives: one folder per torch version, CPU capability and source."""
-    root = Path(os.environ.get("MITA_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mita")
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    return root / f"kernels-torch{torch.__version__}-{_isa()}-{digest}"
+    """Where the compiled kernel lives: one folder per build.
+
+    Keyed by everything that makes two builds differ (the source, torch's version and
+    install, Python's headers, the compiler, the flags), never by the checkout: the source
+    is copied into the folder and compiled there, so checkouts and virtual environments
+    that share a cache reuse each other's builds instead of rebuilding in turn.
+    """
+    key = {
+        "source": hashlib.sha256(SOURCE.read_bytes()).hexdigest(),
+        "torch": [torch.__version__, str(Path(torch.__file__).resolve().parent)],
+        "python": sysconfig.get_paths()["include"],
+        "compiler": shutil.which(os.environ.get("CXX", "c++")) or os.environ.get("CXX", "c++"),
+        "flags": _cflags(),
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return cache_root() / f"kernels-torch{torch.__version__}-{_isa()}-{digest}"
+
+
+def unsafe_reason(path: Path) -> str | None:
+    """Why ``path`` (a cache folder or a file in it) cannot be trusted, None if it can.
+
+    Like pip's cache: it must belong to this user and not be world-writable, or another
+    user could swap the compiled kernel for code of their own, which loading would run.
+    """
+    if not hasattr(os, "getuid"):  # Windows: no POSIX owners or modes
+        return None
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        return f"{path} is owned by another user (uid {st.st_uid})"
+    if st.st_mode & stat.S_IWOTH:
+        return f"{path} is writable by every user (mode {stat.filemode(st.st_mode)})"
+    return None
 
 
 def available() -> bool:
     """Whether the fused CPU kernel is loaded (compiling it on the first call)."""
     with _lock:
         if "ok" not in _state:
-            _state["ok"] = _load()
+            _state["why"] = _load()
+            _state["ok"] = _state["why"] is None
     return bool(_state["ok"])
 
 
-def _load() -> bool:
-    if os.environ.get("MITA_FUSED", "1") == "0":
-        return False
-    try:
-        cuda_note = logging.getLogger("torch.utils.cpp_extension")  # "No CUDA runtime is found": not ours
-        level, cuda_note.level = cuda_note.level, logging.ERROR
-        try:
-            from torch.utils.cpp_extension import load
-        finally:
-            cuda_note.setLevel(level)
+def unavailable_reason() -> str | None:
+    """Why the kernel is not available (None if it is), after :func:`available` said so."""
+    return _state.get("why")
 
+
+def _load() -> str | None:
+    """Load (building if needed) the kernel; returns why it could not, or None."""
+    if os.environ.get("MITA_FUSED", "1") == "0":
+        return "MITA_FUSED=0 switches it off"
+    try:
         build = cache_dir()
-        build.mkdir(parents=True, exist_ok=True)
-        if not any(build.glob("*.so")):
-            print(f"mita: compiling the fused CPU kernel once (about 25 s; cached in {build})", file=sys.stderr)
-        # torch runs `ninja` from PATH: make this environment's scripts folder (pip's ninja) findable.
-        scripts = sysconfig.get_path("scripts")
-        if scripts not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-        isa = _isa()
-        defines = [] if isa == "DEFAULT" else [f"-DCPU_CAPABILITY={isa}", f"-DCPU_CAPABILITY_{isa}"]
-        load(
-            name=f"mita_fused_{isa.lower()}",
-            sources=[str(SOURCE)],
-            build_directory=str(build),
-            extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS.get(isa, []), *defines],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
+        for folder in (build.parent, build):
+            folder.mkdir(mode=0o700, exist_ok=True, parents=True)
+        unsafe = [r for p in (build.parent, build, *build.glob("*.so")) if (r := unsafe_reason(p))]
+        if unsafe:
+            why = (
+                f"the kernel cache is not safe to load code from: {'; '.join(unsafe)}. Use a folder of your own "
+                "(set MITA_CACHE, or fix it with chown / chmod go-w)"
+            )
+            warnings.warn(f"mita: {why}; MiTA uses the pure-PyTorch grouped path", RuntimeWarning, stacklevel=3)
+            return why
+        source = build / SOURCE.name  # compiled from inside the cache: no checkout path in the build files
+        if not source.exists() or source.read_bytes() != SOURCE.read_bytes():
+            shutil.copyfile(SOURCE, source)
+        _build_and_load(build, source)
         torch.library.register_fake("mita::fused_forward")(_fake_forward)
         torch.library.register_fake("mita::fused_backward")(_fake_backward)
-        return True
+        return None
     except Exception as err:  # no compiler, no ninja, no BLAS symbols, ...
+        why = f"it could not be built ({type(err).__name__}: {err})"
         warnings.warn(
-            f"mita: the fused CPU kernel could not be built ({type(err).__name__}: {str(err)[:300]}); "
-            "MiTA uses the pure-PyTorch grouped path (set MITA_FUSED=0 to silence this)",
+            f"mita: the fused CPU kernel is not used: {why}; MiTA uses the pure-PyTorch grouped path "
+            "(set MITA_FUSED=0 to silence this)",
             RuntimeWarning,
             stacklevel=3,
         )
-        return False
+        return why
+
+
+def _build_and_load(build: Path, source: Path) -> None:
+    """torch's JIT build into ``build`` (ninja skips it when the .so is up to date), then load it."""
+    cuda_note = logging.getLogger("torch.utils.cpp_extension")  # "No CUDA runtime is found": not ours
+    level, cuda_note.level = cuda_note.level, logging.ERROR
+    try:
+        from torch.utils.cpp_extension import load
+    finally:
+        cuda_note.setLevel(level)
+
+    for so in build.glob("*.so"):
+        try:  # an empty or corrupt .so (a full disk, a killed copy) looks up to date to ninja: rebuild it
+            ctypes.CDLL(str(so))
+        except OSError:
+            for f in (so, *build.glob("*.o")):
+                f.unlink()
+    before = {so: so.stat().st_mtime_ns for so in build.glob("*.so")}
+    if not before:
+        print(f"mita: compiling the fused CPU kernel once (about 25 s; cached in {build})", file=sys.stderr)
+    # torch runs `ninja` from PATH: make this environment's scripts folder (pip's ninja) findable.
+    scripts = sysconfig.get_path("scripts")
+    if scripts not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    load(
+        name=f"mita_fused_{_isa().lower()}",
+        sources=[str(source)],
+        build_directory=str(build),
+        extra_cflags=_cflags(),
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+    )
+    rebuilt = [so for so, t in before.items() if so.exists() and so.stat().st_mtime_ns != t]
+    if rebuilt:
+        print(f"mita: recompiled the fused CPU kernel (its build files had changed; in {build})", file=sys.stderr)
 
 
 def _fake_forward(q, k, v, landmarks, key_mask, query_mask, topk, num_routed, scale, landmark_scale):
@@ -118,41 +197,58 @@ def _fake_backward(dout, q, k, v, landmarks, *_):
 
 
 class _FusedMiTA(torch.autograd.Function):
-    """The kernel's forward and backward as one autograd node (experts and routes carry no gradient)."""
+    """The kernel's forward and backward as one autograd node (experts and routes carry no gradient).
+
+    The kernel's backward is not itself differentiable: when a graph of the gradient is
+    asked for (``create_graph=True``, double backward), the gradient is taken through the
+    grouped path instead, whose every step autograd can differentiate again.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, landmarks, key_mask, query_mask, topk, num_routed, scale, landmark_scale):
+    def forward(ctx, q, k, v, landmarks, cfg: MiTAConfig):
         out, experts, routes, v_shared, lse_a, lse_t = torch.ops.mita.fused_forward(
-            q, k, v, landmarks, key_mask, query_mask, topk, num_routed, scale, landmark_scale
+            q, k, v, landmarks, *_masks(cfg), cfg.topk, cfg.num_routed, cfg.scale, cfg.landmark_scale
         )
-        ctx.save_for_backward(q, k, v, landmarks, key_mask, query_mask, experts, routes, out, v_shared, lse_a, lse_t)
-        ctx.args = (scale, landmark_scale)
+        ctx.save_for_backward(q, k, v, landmarks, experts, routes, out, v_shared, lse_a, lse_t)
+        ctx.cfg = cfg
         ctx.mark_non_differentiable(experts, routes)
         return out, experts, routes
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _experts, _routes):
-        q, k, v, landmarks, key_mask, query_mask, experts, routes, out, v_shared, lse_a, lse_t = ctx.saved_tensors
-        scale, landmark_scale = ctx.args
-        grads = torch.ops.mita.fused_backward(
-            dout.contiguous(),
-            q,
-            k,
-            v,
-            landmarks,
-            key_mask,
-            query_mask,
-            experts,
-            routes,
-            out,
-            v_shared,
-            lse_a,
-            lse_t,
-            scale,
-            landmark_scale,
-        )
-        return *grads, None, None, None, None, None, None
+        q, k, v, landmarks, experts, routes, out, v_shared, lse_a, lse_t = ctx.saved_tensors
+        cfg = ctx.cfg
+        if torch.is_grad_enabled():  # double backward: differentiate a differentiable recomputation
+            # Views: new graph nodes, so that each gradient is the partial derivative through its own
+            # input (landmarks pooled from q must not add their path into q's gradient here).
+            inputs = [t.view_as(t) for t in (q, k, v, landmarks)]
+            wanted = [t for t, needed in zip(inputs, ctx.needs_input_grad) if needed]
+            recomputed, _ = mita_attention_grouped(*inputs[:3], cfg, landmarks=inputs[3])
+            grads = iter(torch.autograd.grad(recomputed, wanted, dout, create_graph=True, allow_unused=True))
+            return *(next(grads) if needed else None for needed in ctx.needs_input_grad[:4]), None
+        with torch.no_grad():
+            grads = torch.ops.mita.fused_backward(
+                dout.contiguous(),
+                q,
+                k,
+                v,
+                landmarks,
+                *_masks(cfg),
+                experts,
+                routes,
+                out,
+                v_shared,
+                lse_a,
+                lse_t,
+                cfg.scale,
+                cfg.landmark_scale,
+            )
+        return *grads, None
+
+
+def _masks(cfg: MiTAConfig) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The key and query padding masks, contiguous, as the kernels take them."""
+    return tuple(None if m is None else m.contiguous() for m in (cfg.key_mask, cfg.query_mask))
 
 
 def not_supported_reasons(q: torch.Tensor, cfg: MiTAConfig, dropout_p: float) -> list[str]:
@@ -184,19 +280,10 @@ def mita_attention_fused(
     if reasons:
         raise ValueError(f"impl='fused' cannot run this call: {'; '.join(reasons)}; use impl='grouped'")
     if not available():
-        raise RuntimeError("impl='fused': the fused CPU kernel is not available (see the warning above)")
+        raise RuntimeError(f"impl='fused': the fused CPU kernel is not available: {unavailable_reason()}")
     q, k, v = zero_padding(q, k, v, cfg)  # padded tokens take no part anywhere
     if landmarks is None:
         landmarks = pool(q, cfg.pooling, cfg.query_mask)
     compute = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
-    key_mask, query_mask = (None if m is None else m.contiguous() for m in (cfg.key_mask, cfg.query_mask))
-    out, experts, routes = _FusedMiTA.apply(
-        *(t.to(compute).contiguous() for t in (q, k, v, landmarks)),
-        key_mask,
-        query_mask,
-        cfg.topk,
-        cfg.num_routed,
-        cfg.scale,
-        cfg.landmark_scale,
-    )
+    out, experts, routes = _FusedMiTA.apply(*(t.to(compute).contiguous() for t in (q, k, v, landmarks)), cfg)
     return out.to(q.dtype), (landmarks, experts, routes)

@@ -543,9 +543,14 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     TORCH_CHECK(t->scalar_type() == q.scalar_type(), "mita fused: q, k, v, landmarks must share one dtype");
   }
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, "mita fused: float32 or float64 only");
+  // Every size is a divisor or a loop bound somewhere: an empty one is refused here, not met as a SIGFPE.
+  TORCH_CHECK(q.numel() > 0 && k.numel() > 0 && landmarks.numel() > 0,
+              "mita fused: every size of q (B, H, Nq, D), k, v (B, Hkv, Nk, D) and the landmarks (B, H, m, D) must "
+              "be >= 1, got q ", q.sizes(), ", k ", k.sizes(), ", landmarks ", landmarks.sizes());
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3);
   TORCH_CHECK(k.size(0) == B && k.size(3) == D && H % k.size(1) == 0 && v.sizes() == k.sizes(),
-              "mita fused: bad k, v shapes");
+              "mita fused: k and v must be (B, Hkv, Nk, D) with H a multiple of Hkv, got q ", q.sizes(), ", k ",
+              k.sizes(), ", v ", v.sizes());
   TORCH_CHECK(landmarks.size(0) == B && landmarks.size(1) == H && landmarks.size(3) == D,
               "mita fused: bad landmarks shape");
 }
@@ -569,7 +574,8 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3), m = landmarks.size(2);
   const bool *km = mask_data(key_mask, B, k.size(2), "key_mask"), *qm = mask_data(query_mask, B, Nq, "query_mask");
   TORCH_CHECK(topk >= 1 && topk <= k.size(2) && num_routed >= 1 && num_routed <= m,
-              "mita fused: bad topk or num_routed");
+              "mita fused: topk must be in [1, Nk = ", k.size(2), "] and num_routed in [1, m = ", m, "], got topk = ",
+              topk, ", num_routed = ", num_routed);
   const auto opts = q.options();
   at::Tensor out = at::empty_like(q), v_shared = at::empty({B, H, m, D}, opts);
   at::Tensor lse_a = at::empty({B, H, m}, opts), lse_t = at::empty({B, H, Nq}, opts);
@@ -600,10 +606,11 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
                   lse_a.sizes() == at::IntArrayRef({B, H, m}) && lse_t.sizes() == at::IntArrayRef({B, H, Nq}),
               "mita fused: dout, out, v_shared, lse_a, lse_t do not match q and the landmarks");
   TORCH_CHECK(experts.scalar_type() == at::kLong && experts.is_contiguous() && experts.dim() == 4 &&
-                  experts.size(0) == B && experts.size(1) == H && experts.size(2) == m && experts.size(3) <= Nk &&
-                  routes.scalar_type() == at::kLong && routes.is_contiguous() && routes.dim() == 4 &&
-                  routes.size(0) == B && routes.size(1) == H && routes.size(2) == Nq && routes.size(3) <= m,
-              "mita fused: experts must be (B, H, m, k <= Nk) and routes (B, H, Nq, s <= m) int64");
+                  experts.size(0) == B && experts.size(1) == H && experts.size(2) == m && experts.size(3) >= 1 &&
+                  experts.size(3) <= Nk && routes.scalar_type() == at::kLong && routes.is_contiguous() &&
+                  routes.dim() == 4 && routes.size(0) == B && routes.size(1) == H && routes.size(2) == Nq &&
+                  routes.size(3) >= 1 && routes.size(3) <= m,
+              "mita fused: experts must be (B, H, m, 1 <= k <= Nk) and routes (B, H, Nq, 1 <= s <= m) int64");
   TORCH_CHECK(experts.numel() == 0 || (experts.min().item<int64_t>() >= 0 && experts.max().item<int64_t>() < Nk),
               "mita fused: expert key indices out of range");
   TORCH_CHECK(routes.numel() == 0 || (routes.min().item<int64_t>() >= 0 && routes.max().item<int64_t>() < m),
