@@ -10,13 +10,15 @@ host-readable); with a GPU it is traced on fake CUDA tensors too.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mita.ops.mita import mita_attention
 
-CUDA_IMPLS = ["auto", "grouped"]
+CUDA_IMPLS = ["auto", "grouped", "triton"]
 CASES = {  # name: (Nq, Nk, H, Hkv, call options)
     "plain": (40, 40, 4, 4, {}),
     "s2_gqa_masks": (37, 37, 4, 2, {"num_routed": 2, "key_mask": True}),
@@ -79,3 +81,25 @@ def test_compile_fullgraph_grouped() -> None:
     torch.testing.assert_close(out, ref)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r)
+
+
+def test_auto_takes_triton_on_cuda_and_falls_back_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto picks the Triton kernels for CUDA tensors; a head dim they lack falls back with one warning."""
+    from mita.ops.mita import triton as mita_triton
+
+    calls = []
+    monkeypatch.setattr(mita_triton, "available", lambda: True)
+    real = torch.ops.mita.triton_forward
+    monkeypatch.setattr(torch.ops.mita, "triton_forward", lambda *a: calls.append(1) or real(*a), raising=False)
+    mita_triton.warn_once.cache_clear()
+    with FakeTensorMode():
+        q = torch.randn(1, 2, 16, 32, device="cuda", dtype=torch.bfloat16)
+        mita_attention(q, q, q, num_landmarks=2, topk=3)
+        assert calls == [1]
+        big = torch.randn(1, 2, 16, 512, device="cuda", dtype=torch.bfloat16)
+        with pytest.warns(RuntimeWarning, match="head dim D=512"):
+            out = mita_attention(big, big, big, num_landmarks=2, topk=3)
+        assert out.shape == big.shape and calls == [1]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            mita_attention(big, big, big, num_landmarks=2, topk=3)

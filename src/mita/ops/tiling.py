@@ -12,19 +12,21 @@ if TYPE_CHECKING:
     from .mita.config import MiTAConfig
 
 
-def tile_rows(group: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def tile_rows(
+    group: torch.Tensor, n_groups: int, tile: int | None = None, bound: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Lay rows out in tiles of T rows that each belong to one group.
 
     ``group`` (R,) holds each row's group in [0, n_groups). Returns ``slot`` (R,), the row's
     place in a buffer of ``len(tile_group) * T`` rows; ``tile_group``, each tile's group;
-    and T, a power of two in [8, 64] near the mean group size. The rows of a group are
-    contiguous and padded to a multiple of T: less than T padding rows a group, never
-    padding to the busiest group. Where values are not host-readable (CUDA, tracing) the
-    number of tiles is its upper bound, nothing is read back to the host, and the spare
-    tiles (at the end, holding no row) repeat the last group.
+    and T, ``tile`` or (default) a power of two in [8, 64] near the mean group size. The rows
+    of a group are contiguous and padded to a multiple of T: less than T padding rows a
+    group, never padding to the busiest group. With ``bound``, or where values are not
+    host-readable (CUDA, tracing), the number of tiles is its upper bound, nothing is read
+    back to the host, and the spare tiles (at the end, holding no row) repeat the last group.
     """
     R = group.numel()
-    T = min(64, max(8, 1 << (max(1, R // n_groups).bit_length() - 1)))
+    T = tile or min(64, max(8, 1 << (max(1, R // n_groups).bit_length() - 1)))
     order = torch.argsort(group, stable=True)
     sorted_group = group[order]
     bounds = torch.searchsorted(sorted_group, torch.arange(n_groups + 1, device=group.device, dtype=group.dtype))
@@ -33,7 +35,7 @@ def tile_rows(group: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, torch.T
     tile_end = tiles.cumsum(0)
     rank = torch.arange(R, device=group.device) - bounds[:-1][sorted_group]
     slot = torch.empty_like(order).scatter_(0, order, ((tile_end - tiles) * T)[sorted_group] + rank)
-    n_tiles = int(tile_end[-1]) if host_readable(group) else min(R, (R + n_groups * (T - 1)) // T)
+    n_tiles = int(tile_end[-1]) if host_readable(group) and not bound else min(R, (R + n_groups * (T - 1)) // T)
     tile_group = torch.searchsorted(tile_end, torch.arange(n_tiles, device=group.device), right=True)
     return slot, tile_group.clamp_(max=n_groups - 1), T
 
