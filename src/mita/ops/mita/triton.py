@@ -14,7 +14,7 @@ before Triton is imported), which is how the tests check them without a GPU.
 
 from __future__ import annotations
 
-import functools
+import importlib.util
 import os
 import warnings
 
@@ -33,14 +33,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.cache
+_HAS_TRITON = importlib.util.find_spec("triton") is not None  # found once, without importing it
+_warned: set[str] = set()
+
+
 def available() -> bool:
-    """Whether Triton imports."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether Triton is installed (it is imported when a kernel first runs)."""
+    return _HAS_TRITON
 
 
 def not_supported_reasons(q: torch.Tensor, cfg: MiTAConfig, dropout_p: float) -> list[str]:
@@ -59,10 +58,11 @@ def not_supported_reasons(q: torch.Tensor, cfg: MiTAConfig, dropout_p: float) ->
     return reasons
 
 
-@functools.cache
 def warn_once(message: str) -> None:
     """One warning per distinct message and process."""
-    warnings.warn(message, RuntimeWarning, stacklevel=4)
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 def mita_attention_triton(
@@ -139,6 +139,7 @@ def _launch_args(q, k, v, landmarks, v_shared, experts, key_mask):
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
         "BLOCK_D": block_d,
+        "num_warps": 4 if block_d <= 64 else 8,
     }
     return tensors, mask, sizes, meta
 

@@ -36,7 +36,7 @@ def _tile(t, tile_expert, row_pair, M: tl.constexpr, S: tl.constexpr, H, G, Hkv,
     """
     e = tl.load(tile_expert + t)
     x = e // M  # the query head (b * H + h)
-    rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = t.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: offsets past 2**31 at large B H N D
     pair = tl.load(row_pair + rows)
     valid = pair >= 0
     qrow = tl.where(valid, pair // S, 0)
