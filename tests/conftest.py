@@ -11,6 +11,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread per worker (and its subp
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
+if not torch.cuda.is_available():  # Triton kernels run in its CPU interpreter (set before triton is imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 DEVICES = [
     pytest.param("cpu", id="cpu"),
     pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),

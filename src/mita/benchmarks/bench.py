@@ -30,6 +30,7 @@ from .. import attention
 from ..utils.files import prepare_output_dir
 from ..utils.machine import machine_info
 from ..utils.options import parse_assignments, parse_value, split_items
+from . import gpu
 from .report import (
     FIELDS,
     OK,
@@ -279,7 +280,11 @@ DESCRIPTION = "Benchmark registered attention methods against SDPA (see docs/per
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``mita bench`` (registered by :mod:`mita.benchmarks.cli`)."""
     p.add_argument("--methods", nargs="+", metavar="CONFIG", help="configs like mita 'mita:topk=32' (default: all)")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="shapes and options (default: standard)")
+    p.add_argument(
+        "--preset",
+        choices=sorted([*PRESETS, "gpu"]),
+        help="shapes and options (default: standard; 'gpu': MiTA against SDPA's backends on a GPU)",
+    )
     p.add_argument("--quick", action="store_true", help="the 'quick' preset: a smoke run of a few seconds")
     p.add_argument("--lengths", type=int, nargs="+", metavar="N", help="sequence lengths (default: the preset's)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="forward, forward+backward")
@@ -289,8 +294,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, help="B (default: the preset's)")
     p.add_argument("--heads", type=int, help="H (default: the preset's)")
     p.add_argument("--head-dim", type=int, help="D (default: the preset's)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: float32 (the GPU comparison: bfloat16, float16)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (cuda without --methods: the GPU comparison)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's, all cores)")
     p.add_argument("--budget", type=float, help="seconds of timed calls per point (default: the preset's)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls before measuring")
@@ -364,6 +369,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark the arguments describe; 1 if a point failed, else 0."""
+    if gpu.wants_gpu(args):
+        return gpu.run_gpu(args, prepare_out_dir)
     plan = make_plan(args)
     out_dir = prepare_out_dir(args.out, force=args.force, resume=args.resume)
     if args.profile:
@@ -376,7 +383,7 @@ def run(args: argparse.Namespace) -> int:
         record_machine(out_dir / "machine.json", args.device, session, _command(args), resume=args.resume)
         rows = {_key(r): r for r in read_rows(out_dir / "results.csv")} if args.resume else {}
         write_rows(out_dir / "results.csv", rows.values())  # a new file, or the resumed one rid of a cut line
-        failures = _measure_all(plan, args.dtype, args.device, session, rows, out_dir / "results.csv")
+        failures = _measure_all(plan, args.dtype or "float32", args.device, session, rows, out_dir / "results.csv")
     finally:
         torch.set_num_threads(threads)
     # ratios again over all rows: a resumed run may have measured a baseline after the rows that need it

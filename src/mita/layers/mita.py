@@ -32,7 +32,8 @@ class MiTAAttention(AttentionLayer):
         num_prefix_tokens (int): leading tokens (CLS, registers) that are not pooled. Default: 0.
         compat (str | None): "official" reproduces the authors' DeiT code (spec section 2). Default: None.
         branches (str): "both", or the ablations "shared" / "routed". Default: "both".
-        impl (str): "auto", "fused", "grouped" or "reference" (see :func:`mita.mita_attention`). Default: "auto".
+        impl (str): "auto", "fused", "triton", "grouped" or "reference" (see :func:`mita.mita_attention`).
+            Default: "auto".
         *args, **kwargs: timm's ``Attention`` arguments (``qkv_bias``, ``attn_drop``, ...).
     """
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -24,6 +26,25 @@ class AttentionArgs:
     scale: float  # s0, default D**-0.5
     key_mask: torch.Tensor | None  # (B, Nk) bool, True = real key
     query_mask: torch.Tensor | None  # (B, Nq) bool, True = real query
+
+
+def host_readable(t: torch.Tensor) -> bool:
+    """Whether reading t's values back to Python is free: a real CPU tensor, eager (not traced).
+
+    Elsewhere (CUDA, fake tensors, ``torch.compile``) the ops read no value back to the host:
+    sizes come from upper bounds and value checks become asynchronous device asserts.
+    """
+    return t.device.type == "cpu" and not torch.compiler.is_compiling() and not is_fake(t)
+
+
+def require(ok: torch.Tensor, error: Callable[[], Exception]) -> None:
+    """Raise ``error()`` unless ``ok`` is all True; where values are not host-readable, an
+    asynchronous device assert with the same message (no host synchronisation)."""
+    if host_readable(ok):
+        if not bool(ok.all()):
+            raise error()
+    else:
+        torch._assert_async(ok.all(), str(error()))
 
 
 def check_int(name: str, value: object, low: int = 1, high: int | None = None) -> int:
@@ -120,10 +141,13 @@ def check_attention(
     key_mask = query_mask = None
     if key_padding_mask is not None:
         key_mask = _check_mask("key_padding_mask", key_padding_mask, B, Nk, "Nk", q.device)
-        empty = ~key_mask.any(1)
-        if bool(empty.any()):
-            bad = torch.nonzero(empty).flatten().tolist()
-            raise ValueError(f"key_padding_mask marks no real token in batch element(s) {bad}; drop those sequences")
+        real = key_mask.any(1)
+
+        def no_keys() -> ValueError:
+            bad = torch.nonzero(~real).flatten().tolist() if host_readable(real) else "some"
+            return ValueError(f"key_padding_mask marks no real token in batch element(s) {bad}; drop those sequences")
+
+        require(real, no_keys)
     if query_padding_mask is not None:
         query_mask = _check_mask("query_padding_mask", query_padding_mask, B, Nq, "Nq", q.device)
     elif key_mask is not None and Nq == Nk:  # self-attention: the key mask marks the real queries too

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .checks import check_int
+from .checks import check_int, require
 
 _ADAPTIVE_POOL = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}
 _GRID_NAMES = {2: ("square", "(mh, mw)", "(gh, gw)"), 3: ("cube", "(mt, mh, mw)", "(gt, gh, gw)")}
@@ -146,14 +146,12 @@ def pool(x: torch.Tensor, pooling: Pooling, mask: torch.Tensor | None = None) ->
         end = ((i[None] + 1) * n_real[:, None] + m - 1) // m
         w = (rank[:, None] >= start[..., None]) & (rank[:, None] < end[..., None]) & real[:, None]
         w = w.to(x.dtype) / (end - start).clamp(min=1).to(x.dtype)[..., None]  # (B, m, L)
-        if bool((n_real == 0).any()):
-            raise _empty_bin()
+        require(n_real > 0, _empty_bin)
         return w[:, None] @ x
     w = pooling_matrix(grid[0], pooling.shape[0], x.device, x.dtype)
     for g, s in zip(grid[1:], pooling.shape[1:]):
         w = torch.kron(w, pooling_matrix(g, s, x.device, x.dtype))
     w = w[None] * real[:, None].to(x.dtype)  # (B, m, L): mean over the real tokens of each bin
     den = w.sum(-1, keepdim=True)
-    if bool((den == 0).any()):
-        raise _empty_bin()
+    require(den > 0, _empty_bin)
     return (w / den)[:, None] @ x

@@ -6,29 +6,38 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .checks import host_readable
+
 if TYPE_CHECKING:
     from .mita.config import MiTAConfig
 
 
-def tile_rows(group: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def tile_rows(
+    group: torch.Tensor, n_groups: int, tile: int | None = None, bound: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Lay rows out in tiles of T rows that each belong to one group.
 
     ``group`` (R,) holds each row's group in [0, n_groups). Returns ``slot`` (R,), the row's
     place in a buffer of ``len(tile_group) * T`` rows; ``tile_group``, each tile's group;
-    and T, a power of two in [8, 64] near the mean group size. The rows of a group are
-    contiguous and padded to a multiple of T: less than T padding rows a group, never
-    padding to the busiest group.
+    and T, ``tile`` or (default) a power of two in [8, 64] near the mean group size. The rows
+    of a group are contiguous and padded to a multiple of T: less than T padding rows a
+    group, never padding to the busiest group. With ``bound``, or where values are not
+    host-readable (CUDA, tracing), the number of tiles is its upper bound, nothing is read
+    back to the host, and the spare tiles (at the end, holding no row) repeat the last group.
     """
-    counts = torch.bincount(group, minlength=n_groups)
-    T = int(min(64, max(8, 1 << (max(1, group.numel() // n_groups).bit_length() - 1))))
-    tiles = (counts + T - 1) // T
+    R = group.numel()
+    T = tile or min(64, max(8, 1 << (max(1, R // n_groups).bit_length() - 1)))
     order = torch.argsort(group, stable=True)
     sorted_group = group[order]
-    rank = torch.arange(group.numel(), device=group.device) - (counts.cumsum(0) - counts)[sorted_group]
-    slot = torch.empty_like(order).scatter_(0, order, ((tiles.cumsum(0) - tiles) * T)[sorted_group] + rank)
-    n_tiles = int(tiles.sum())
-    tile_group = torch.repeat_interleave(torch.arange(n_groups, device=group.device), tiles, output_size=n_tiles)
-    return slot, tile_group, T
+    bounds = torch.searchsorted(sorted_group, torch.arange(n_groups + 1, device=group.device, dtype=group.dtype))
+    counts = bounds.diff()
+    tiles = (counts + T - 1) // T
+    tile_end = tiles.cumsum(0)
+    rank = torch.arange(R, device=group.device) - bounds[:-1][sorted_group]
+    slot = torch.empty_like(order).scatter_(0, order, ((tile_end - tiles) * T)[sorted_group] + rank)
+    n_tiles = int(tile_end[-1]) if host_readable(group) and not bound else min(R, (R + n_groups * (T - 1)) // T)
+    tile_group = torch.searchsorted(tile_end, torch.arange(n_tiles, device=group.device), right=True)
+    return slot, tile_group.clamp_(max=n_groups - 1), T
 
 
 def zero_padding(

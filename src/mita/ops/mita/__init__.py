@@ -15,16 +15,18 @@ import torch.nn.functional as F
 
 from ..checks import check_dropout
 from ..pooling import check_pooling
-from . import fused
+from . import fused, triton
 from .config import MiTAConfig, check
 from .fused import mita_attention_fused
 from .grouped import mita_attention_grouped
 from .reference import mita_attention_reference
+from .triton import mita_attention_triton
 
 IMPLEMENTATIONS = {
     "reference": mita_attention_reference,
     "grouped": mita_attention_grouped,
     "fused": mita_attention_fused,
+    "triton": mita_attention_triton,
 }
 
 
@@ -54,7 +56,7 @@ def mita_attention(
     dropout_p: float = 0.0,
     branches: Literal["both", "shared", "routed"] = "both",
     return_routing: bool = False,
-    impl: Literal["auto", "fused", "grouped", "reference"] = "auto",
+    impl: Literal["auto", "fused", "grouped", "reference", "triton"] = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, MiTARouting]:
     """MiTA attention on (B, H, N, D) tensors, like ``F.scaled_dot_product_attention``.
 
@@ -86,9 +88,11 @@ def mita_attention(
             and "routed" (routed experts only). Default: "both".
         return_routing (bool): also return a :class:`MiTARouting`. Default: False.
         impl (str): "fused" (C++ kernels, forward and backward: CPU, no dropout, both branches;
-            half precision computed in float32), "grouped" (pure PyTorch, linear memory, any
-            device, trainable), "reference" (the spec's steps, quadratic memory), or "auto":
-            "fused" where it applies, else "grouped". Default: "auto".
+            half precision computed in float32), "triton" (Triton kernels, forward and backward:
+            CUDA, no dropout, both branches, D <= 256, float32/float16/bfloat16), "grouped" (pure
+            PyTorch, linear memory, any device, trainable), "reference" (the spec's steps,
+            quadratic memory), or "auto": "fused" on CPU and "triton" on CUDA where they apply,
+            else "grouped". Default: "auto".
 
     Returns:
         The output of shape (B, H, Nq, D) and q's dtype, zero on padded queries; with
@@ -141,10 +145,25 @@ def mita_attention(
         dropout_p=dropout_p,
     )
     if impl == "auto":
-        fast = not fused.not_supported_reasons(q, cfg, dropout_p) and fused.available()
-        impl = "fused" if fast else "grouped"
+        impl = _auto(q, cfg, dropout_p)
     out, routing = IMPLEMENTATIONS[impl](q, k, v, cfg, landmarks=landmarks, dropout_p=dropout_p)
     return (out, MiTARouting(*routing)) if return_routing else out
+
+
+def _auto(q: torch.Tensor, cfg: MiTAConfig, dropout_p: float) -> str:
+    """The implementation "auto" picks: fused on CPU, triton on CUDA where they apply, else grouped.
+
+    A CUDA call the Triton kernels cannot take only for its head dim or dtype warns once.
+    """
+    if q.device.type == "cuda":
+        if not triton.available():
+            return "grouped"
+        reasons = triton.not_supported_reasons(q, cfg, dropout_p)
+        if reasons and not dropout_p and cfg.branches == "both":
+            triton.warn_once(f"mita: impl='auto' uses the grouped path: {'; '.join(reasons)}")
+        return "grouped" if reasons else "triton"
+    fast = not fused.not_supported_reasons(q, cfg, dropout_p) and fused.available()
+    return "fused" if fast else "grouped"
 
 
 def _autocast_dtype(q: object) -> torch.dtype | None:
@@ -203,6 +222,7 @@ __all__ = [
     "mita_attention_fused",
     "mita_attention_grouped",
     "mita_attention_reference",
+    "mita_attention_triton",
     "mita_flops",
     "official_landmarks",
 ]

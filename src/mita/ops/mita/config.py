@@ -6,11 +6,11 @@ of the base check every op shares (:func:`mita.ops.checks.check_attention`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
-from ..checks import AttentionArgs, check_attention, check_int, check_scale
+from ..checks import AttentionArgs, check_attention, check_int, check_scale, host_readable, require
 from ..pooling import Pooling, check_pooling
 
 
@@ -88,13 +88,16 @@ def check(
             raise ValueError("landmarks must hold at least one landmark (m >= 1)")
         pooling = Pooling((landmarks.shape[2],), None, pooling.num_prefix_tokens)
     elif base.query_mask is not None:
-        pooled = base.query_mask[:, pooling.num_prefix_tokens :].sum(1)
-        if bool((pooled == 0).any()):
-            bad = torch.nonzero(pooled == 0).flatten().tolist()
-            raise ValueError(
+        pooled = base.query_mask[:, pooling.num_prefix_tokens :].any(1)
+
+        def nothing_to_pool() -> ValueError:
+            bad = torch.nonzero(~pooled).flatten().tolist() if host_readable(pooled) else "some"
+            return ValueError(
                 f"batch element(s) {bad} have no real query after the {pooling.num_prefix_tokens} prefix tokens "
                 "to pool landmarks from"
             )
+
+        require(pooled, nothing_to_pool)
     m = pooling.m
     topk = check_int("topk", topk)
     num_routed = check_int("num_routed", num_routed, 1, m)
@@ -103,10 +106,15 @@ def check(
     ls = check_scale("landmark_scale", landmark_scale)
     n_real = n_real_min = k.shape[2]
     if base.key_mask is not None:
-        counts = base.key_mask.sum(1)
-        n_real, n_real_min = int(counts.max()), int(counts.min())
+        if host_readable(base.key_mask):
+            counts = base.key_mask.sum(1)
+            n_real, n_real_min = int(counts.max()), int(counts.min())
+        else:  # no host sync: k clamped to Nk, every padded slot masked (same output, wider experts)
+            n_real_min = 0
     return MiTAConfig(
-        **{f.name: getattr(base, f.name) for f in fields(AttentionArgs)},
+        scale=base.scale,
+        key_mask=base.key_mask,
+        query_mask=base.query_mask,
         m=m,
         topk=min(topk, n_real),
         num_routed=num_routed,
