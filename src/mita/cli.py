@@ -1,4 +1,5 @@
-"""The ``mita`` command line: ``mita demo``, ``mita bench``, ``mita taxonomy``, ``mita lra ...``, ``mita vision ...``.
+"""The ``mita`` command line: ``mita demo``, ``mita bench``, ``mita taxonomy``, ``mita lra ...``,
+``mita vision ...``, ``mita video ...``.
 
 Each command lives in its own module, which exposes ``add_parser(subparsers)``; the
 parser it adds sets ``func``, called with the parsed arguments.
@@ -16,6 +17,7 @@ COMMAND_MODULES = [
     "mita.cli_taxonomy",
     "mita.lra.cli",
     "mita.vision.cli",
+    "mita.video.cli",
 ]
 
 

@@ -15,9 +15,10 @@ _DIGITS_DEFAULTS = DigitsSetup()
 
 def command_line(args: argparse.Namespace) -> str:
     """The command that produced a report, rebuilt from the parsed arguments."""
-    parts = ["mita vision", args.vision_command]
+    sub = f"{args.command}_command"  # vision_command, video_command, ...
+    parts = ["mita", args.command, getattr(args, sub)]
     for key, value in vars(args).items():
-        if key in ("func", "command", "vision_command") or value is None or value is False:
+        if key in ("func", "command", sub) or value is None or value is False:
             continue
         flag = "--" + key.replace("_", "-")
         if value is True:
@@ -112,13 +113,13 @@ def _pruning(args: argparse.Namespace) -> int:
     return 0
 
 
-def _digits_arguments(p: argparse.ArgumentParser, out: str) -> None:
+def _digits_arguments(p: argparse.ArgumentParser, out: str, defaults: DigitsSetup = _DIGITS_DEFAULTS) -> None:
     p.add_argument("--out", type=Path, default=Path(out), help=f"output folder (default {out})")
     p.add_argument("--force", action="store_true", help="overwrite an existing report (and a mismatched checkpoint)")
-    p.add_argument("--epochs", type=int, default=_DIGITS_DEFAULTS.epochs)
-    p.add_argument("--batch-size", type=int, default=_DIGITS_DEFAULTS.batch_size)
-    p.add_argument("--lr", type=float, default=_DIGITS_DEFAULTS.lr)
-    p.add_argument("--seed", type=int, default=_DIGITS_DEFAULTS.seed)
+    p.add_argument("--epochs", type=int, default=defaults.epochs)
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--threads", type=int, help="torch threads (1 is fastest on a busy machine)")
 
 
