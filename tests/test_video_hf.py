@@ -143,3 +143,12 @@ def test_softcapped_attention_is_refused_by_name():
     model = VideoPrismVisionModel._from_config(config, attn_implementation="mita").eval()
     with pytest.raises(ValueError, match="soft-capping, which VideoPrismAttention"):
         model(torch.randn(1, 2, 3, 32, 32))
+
+
+def test_wrapped_timm_models_are_refused():
+    pytest.importorskip("timm")
+    from transformers import TimmWrapperConfig, TimmWrapperModel
+
+    config = TimmWrapperConfig(architecture="vit_tiny_patch16_224", model_args={"img_size": 32, "depth": 1})
+    with pytest.raises(ValueError, match=r"mita\.convert"):
+        TimmWrapperModel._from_config(config, attn_implementation="mita")

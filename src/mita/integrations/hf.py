@@ -25,7 +25,8 @@ grid and are pooled in 1-D, with m the product of the landmark grid.
 MiTA has no causal form yet: decoder models and causal calls raise a ``ValueError``, as do
 attention calls with soft-capping, a sliding window, sinks or packed sequences (VideoPrism's
 softcap). Models whose attention does not go through transformers' attention interface
-(TimeSformer, TVP, ...) would ignore ``"mita"``; creating one with it raises a ``ValueError``.
+(TimeSformer, TVP, timm models wrapped by ``TimmWrapperModel`` as in PE Video, ...) would ignore
+``"mita"``; creating one with it raises a ``ValueError``.
 Padding is said per side: in self-attention the padding mask marks the queries too; a
 cross-attention module (``is_cross_attention`` or a ``...CrossAttention`` class) is never taken
 for self-attention.
@@ -249,6 +250,12 @@ def _refuse_models_without_the_interface(get_correct_attn_implementation):
     does not go through ``ALL_ATTENTION_FUNCTIONS`` (transformers' own heuristic) raises instead of being ignored."""
 
     def checked(self, requested_attention: str | None, is_init_check: bool = False) -> str:
+        if requested_attention == NAME and getattr(self.config, "model_type", None) == "timm_wrapper":
+            raise ValueError(
+                f"{type(self).__name__} runs a timm model, whose attention is timm's and would ignore "
+                "attn_implementation='mita'; give it 'sdpa' (a dict attn_implementation for composite models such as "
+                "PE Video) and swap the timm model's attention with mita.convert(model.timm_model, 'mita')"
+            )
         if requested_attention == NAME and not self._can_set_attn_implementation():
             raise ValueError(
                 f"{type(self).__name__} computes its attention itself, not through transformers' attention interface, "
