@@ -1,4 +1,5 @@
-"""The ``mita`` command line: ``mita demo``, ``mita bench``, ``mita taxonomy``, ``mita lra ...``, ``mita vision ...``.
+"""The ``mita`` command line: ``mita demo``, ``mita bench``, ``mita taxonomy``, ``mita lra ...``,
+``mita vision ...``, ``mita video ...``.
 
 Each package with commands has a ``cli`` module exposing ``add_parser(subparsers)`` and
 public ``cmd_*`` handlers; the parser it adds sets ``func``, called with the parsed
@@ -19,6 +20,7 @@ COMMAND_MODULES = [
     "mita.benchmarks.cli",
     "mita.lra.cli",
     "mita.vision.cli",
+    "mita.video.cli",
 ]
 #: errors that mean "the input was refused", reported in one line (exit status 2)
 USER_ERRORS = (ValueError, TypeError, OSError, ImportError)

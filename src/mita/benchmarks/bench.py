@@ -88,6 +88,17 @@ PRESETS = {
         },
         fixed_lengths=True,
     ),
+    # video (VideoMAE-base: 12 heads of 64): 16 frames at 224 px in 2x16x16 tubelets, an (8, 14, 14) grid of
+    # N = 1,568 tokens, and 32 frames, (16, 14, 14), N = 3,136; m = k = 98 on a (2, 7, 7) landmark grid
+    "video": Preset(
+        batch=1,
+        heads=12,
+        head_dim=64,
+        lengths=(1568, 3136),
+        options={"num_landmarks": (2, 7, 7), "topk": 98, "num_routed": 1, "num_prefix_tokens": 0},
+        per_length={1568: {"grid": (8, 14, 14)}, 3136: {"grid": (16, 14, 14)}},
+        fixed_lengths=True,
+    ),
     # a smoke run for CI: tiny shapes, a few seconds in all
     "quick": Preset(1, 2, 16, (128, 256), {"num_landmarks": 8, "topk": 8, "num_routed": 1}, budget_s=0.01),
 }

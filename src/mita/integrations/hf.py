@@ -6,18 +6,30 @@ mask as a (B, N) bool mask instead of an N x N one). Then::
 
     model = AutoModel.from_config(ViTConfig(mita_num_landmarks=25, mita_topk=25), attn_implementation="mita")
 
-MiTA options are read from the model config; defaults for vision configs (those with
-``image_size`` and ``patch_size``) / for the others (BERT, ...):
+MiTA options are read from the model config; defaults for video configs (a frame count and a
+patch grid: VideoMAE, ViViT, V-JEPA 2, ...), for image configs (``image_size`` and ``patch_size``)
+and for the others (BERT, ...):
 
-- ``mita_num_landmarks``: 25 (a 5x5 grid) / 64
-- ``mita_topk``: 25 / 64
-- ``mita_num_routed``: 1 / 1
-- ``mita_grid``: "auto" (the square patch grid) / None (1-D pooling); or [gh, gw]
-- ``mita_num_prefix_tokens``: 1 (CLS) / 0
+- ``mita_num_landmarks``: (2, 7, 7), clamped to the token grid / 25 (a 5x5 grid) / 64
+- ``mita_topk``: 98 / 25 / 64
+- ``mita_num_routed``: 1
+- ``mita_grid``: "auto" / "auto" / None (1-D pooling); or [gh, gw] or [gt, gh, gw]
+- ``mita_num_prefix_tokens``: 1 for ViViT's CLS token, else 0 / 1 (CLS) / 0
 
-MiTA has no causal form yet: decoder models and causal calls raise a ``ValueError``. Padding is
-said per side: in self-attention the padding mask marks the queries too; a cross-attention module
-(``is_cross_attention`` or a ``...CrossAttention`` class) is never taken for self-attention.
+"auto" is the square patch grid for images (other token counts are an error) and, for video,
+the config's (num_frames / tubelet, rows, columns) grid of patch tokens after the prefix; a video
+model's token sets of other lengths (V-JEPA 2's predictor, pooler query and shorter clips,
+X-CLIP's per-frame and frame tokens, VideoMAE's visible tokens in pre-training) are no such
+grid and are pooled in 1-D, with m the product of the landmark grid.
+
+MiTA has no causal form yet: decoder models and causal calls raise a ``ValueError``, as do
+attention calls with soft-capping, a sliding window, sinks or packed sequences (VideoPrism's
+softcap). Models whose attention does not go through transformers' attention interface
+(TimeSformer, TVP, timm models wrapped by ``TimmWrapperModel`` as in PE Video, ...) would ignore
+``"mita"``; creating one with it raises a ``ValueError``.
+Padding is said per side: in self-attention the padding mask marks the queries too; a
+cross-attention module (``is_cross_attention`` or a ``...CrossAttention`` class) is never taken
+for self-attention.
 """
 
 from __future__ import annotations
@@ -26,7 +38,7 @@ import math
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, sdpa_mask
 
 from ..ops.mita import mita_attention
@@ -34,13 +46,61 @@ from ..ops.mita import mita_attention
 NAME = "mita"
 
 
+#: video encoders with a CLS token before their patch tokens (by ``config.model_type``)
+VIDEO_PREFIX_TOKENS = {"vivit": 1, "xclip_vision_model": 1}
+#: the default landmark grid of video models (the 2 x 7 x 7 = 98 of 16 frames at 224 px), clamped to the tokens'
+VIDEO_LANDMARKS = (2, 7, 7)
+VIDEO_TOPK = 98
+#: attention-call arguments MiTA has no form of (refused when set), and what they are
+UNSUPPORTED_KWARGS = {
+    "softcap": "logit soft-capping",
+    "sliding_window": "sliding-window form",
+    "s_aux": "attention sinks",
+    "cu_seq_lens_q": "packed (varlen) form",
+}
+
+
 def is_vision_config(config: Any) -> bool:
     """A ViT-like config: images cut into patches (the patch grid gives 2-D landmark pooling)."""
     return hasattr(config, "image_size") and hasattr(config, "patch_size")
 
 
+def _pair(value: Any) -> tuple[int, int]:
+    return (int(value[0]), int(value[1])) if isinstance(value, (list, tuple)) else (int(value), int(value))
+
+
+def video_grid(config: Any) -> tuple[int, int, int] | None:
+    """A video config's token grid (tubelets in time, patch rows, patch columns); None for other configs.
+
+    A video config has a frame count (``num_frames`` or ``frames_per_clip``), an image size
+    (``image_size`` or ``crop_size``) and a patch (``patch_size`` and an int ``tubelet_size``, or a
+    ``tubelet_size`` of three).
+    """
+    frames = getattr(config, "num_frames", None) or getattr(config, "frames_per_clip", None)
+    image = getattr(config, "image_size", None) or getattr(config, "crop_size", None)
+    tubelet = getattr(config, "tubelet_size", None) or 1
+    patch = getattr(config, "patch_size", None)
+    if isinstance(tubelet, (list, tuple)):
+        tubelet, patch = tubelet[0], patch or tubelet[1:]
+    if not frames or not image or not patch:
+        return None
+    (ih, iw), (ph, pw) = _pair(image), _pair(patch)
+    return int(frames) // int(tubelet), ih // ph, iw // pw
+
+
+def _grid_option(grid: Any) -> tuple[int, ...] | str | None:
+    if grid is None or grid == "auto":
+        return grid
+    if not (isinstance(grid, (list, tuple)) and len(grid) in (2, 3)):
+        raise ValueError(f"config.mita_grid must be 'auto', None or a list [gh, gw] or [gt, gh, gw], got {grid!r}")
+    return tuple(int(g) for g in grid)
+
+
 def mita_options(config: Any, num_tokens: int) -> dict[str, Any]:
     """The MiTA arguments for a sequence of ``num_tokens`` tokens of a model with this config."""
+    layout = video_grid(config)
+    if layout is not None:
+        return _video_options(config, num_tokens, layout)
     vision = is_vision_config(config)
     default_m = 25 if vision else 64
     options = {
@@ -49,7 +109,7 @@ def mita_options(config: Any, num_tokens: int) -> dict[str, Any]:
         "num_routed": getattr(config, "mita_num_routed", 1),
         "num_prefix_tokens": getattr(config, "mita_num_prefix_tokens", 1 if vision else 0),
     }
-    grid = getattr(config, "mita_grid", "auto" if vision else None)
+    grid = _grid_option(getattr(config, "mita_grid", "auto" if vision else None))
     if grid == "auto":
         pooled = num_tokens - options["num_prefix_tokens"]
         side = math.isqrt(max(pooled, 0))
@@ -59,12 +119,28 @@ def mita_options(config: Any, num_tokens: int) -> dict[str, Any]:
                 f"{options['num_prefix_tokens']} prefix tokens is {pooled}; set config.mita_grid = [gh, gw] or None"
             )
         grid = (side, side)
-    elif grid is not None:
-        if not (isinstance(grid, (list, tuple)) and len(grid) == 2):
-            raise ValueError(f"config.mita_grid must be 'auto', None or [gh, gw], got {grid!r}")
-        grid = (int(grid[0]), int(grid[1]))
     options["grid"] = grid
     return options
+
+
+def _video_options(config: Any, num_tokens: int, layout: tuple[int, int, int]) -> dict[str, Any]:
+    """:func:`mita_options` of a video config: its (time, rows, columns) grid where the tokens are that layout."""
+    prefix = getattr(config, "mita_num_prefix_tokens", VIDEO_PREFIX_TOKENS.get(getattr(config, "model_type", ""), 0))
+    grid = _grid_option(getattr(config, "mita_grid", "auto"))
+    if grid == "auto":
+        grid = layout if num_tokens - prefix == math.prod(layout) else None
+    m = getattr(config, "mita_num_landmarks", None)
+    if m is None:  # the default grid of landmarks, clamped to the (given or config's) token grid
+        m = tuple(map(min, VIDEO_LANDMARKS[-len(grid or layout) :], grid or layout))
+    if grid is None and isinstance(m, (list, tuple)):
+        m = math.prod(m)  # 1-D pooling of a token set that is no grid: as many landmarks as the grid has
+    return {
+        "num_landmarks": tuple(m) if isinstance(m, list) else m,
+        "topk": getattr(config, "mita_topk", VIDEO_TOPK),
+        "num_routed": getattr(config, "mita_num_routed", 1),
+        "num_prefix_tokens": prefix,
+        "grid": grid,
+    }
 
 
 def key_padding_mask(attention_mask: torch.Tensor | None, batch: int, kv_length: int) -> torch.Tensor | None:
@@ -139,6 +215,12 @@ def mita_attention_forward(
         )
     if kwargs.get("output_attentions"):
         raise ValueError("attn_implementation='mita' does not return attention weights; use output_attentions=False")
+    for name, what in UNSUPPORTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"attn_implementation='mita' has no {what}, which {type(module).__name__} asks for "
+                f"({name}={kwargs[name]!r}); use 'sdpa' or 'eager' for this model"
+            )
     config = getattr(module, "config", None)
     if config is None:
         raise ValueError(f"{type(module).__name__} has no .config to read the MiTA options from")
@@ -163,10 +245,36 @@ def mita_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+def _refuse_models_without_the_interface(get_correct_attn_implementation):
+    """Wrap ``PreTrainedModel.get_correct_attn_implementation``: ``"mita"`` on a model whose attention
+    does not go through ``ALL_ATTENTION_FUNCTIONS`` (transformers' own heuristic) raises instead of being ignored."""
+
+    def checked(self, requested_attention: str | None, is_init_check: bool = False) -> str:
+        if requested_attention == NAME and getattr(self.config, "model_type", None) == "timm_wrapper":
+            raise ValueError(
+                f"{type(self).__name__} runs a timm model, whose attention is timm's and would ignore "
+                "attn_implementation='mita'; give it 'sdpa' (a dict attn_implementation for composite models such as "
+                "PE Video) and swap the timm model's attention with mita.convert(model.timm_model, 'mita')"
+            )
+        if requested_attention == NAME and not self._can_set_attn_implementation():
+            raise ValueError(
+                f"{type(self).__name__} computes its attention itself, not through transformers' attention interface, "
+                f"so attn_implementation='mita' would be ignored; MiTA runs in models that use the interface "
+                "(ViT, BERT, VideoMAE, ViViT, V-JEPA 2, ...), or convert this model's attention layers by hand"
+            )
+        return get_correct_attn_implementation(self, requested_attention, is_init_check)
+
+    checked.mita_checked = True
+    return checked
+
+
 def register() -> None:
     """Register ``"mita"`` with transformers (idempotent); done on import of this module."""
     AttentionInterface.register(NAME, mita_attention_forward)
     AttentionMaskInterface.register(NAME, mita_mask)
+    original = PreTrainedModel.get_correct_attn_implementation
+    if not getattr(original, "mita_checked", False):
+        PreTrainedModel.get_correct_attn_implementation = _refuse_models_without_the_interface(original)
 
 
 register()

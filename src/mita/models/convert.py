@@ -34,15 +34,16 @@ def _timm_kwargs(layer: nn.Module) -> dict[str, Any]:
 
 
 def _vision_defaults(model: nn.Module, method: registry.Method) -> dict[str, Any]:
-    """``num_prefix_tokens`` and ``grid`` from a timm ViT, for methods whose op takes them."""
+    """``num_prefix_tokens`` and ``grid`` from a timm ViT (or a video model whose ``patch_embed.grid_size``
+    is (gt, gh, gw)), for methods whose op takes them."""
     accepts = inspect.signature(method.op).parameters
     found: dict[str, Any] = {}
     if "num_prefix_tokens" in accepts:
         found["num_prefix_tokens"] = int(getattr(model, "num_prefix_tokens", 0))
     grid_size = getattr(getattr(model, "patch_embed", None), "grid_size", None)
     if "grid" in accepts and grid_size is not None:
-        gh, gw = grid_size
-        found["grid"] = "auto" if gh == gw and method.name == "mita" else (int(gh), int(gw))
+        square = len(grid_size) == 2 and grid_size[0] == grid_size[1]
+        found["grid"] = "auto" if square and method.name == "mita" else tuple(int(g) for g in grid_size)
     return found
 
 

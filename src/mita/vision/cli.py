@@ -17,9 +17,10 @@ _DIGITS_DEFAULTS = DigitsSetup()
 
 def command_line(args: argparse.Namespace) -> str:
     """The command that produced a report, rebuilt from the parsed arguments."""
-    parts = ["mita vision", args.vision_command]
+    sub = f"{args.command}_command"  # vision_command, video_command, ...
+    parts = ["mita", args.command, getattr(args, sub)]
     for key, value in vars(args).items():
-        if key in ("func", "command", "vision_command") or value is None or value is False:
+        if key in ("func", "command", sub) or value is None or value is False:
             continue
         flag = "--" + key.replace("_", "-")
         if value is True:
@@ -128,13 +129,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _digits_arguments(p: argparse.ArgumentParser, out: str) -> None:
+def _digits_arguments(p: argparse.ArgumentParser, out: str, defaults: DigitsSetup = _DIGITS_DEFAULTS) -> None:
     add_out(p, f"output folder (default {out})", default=Path(out), type=Path)
     add_force(p, "write into a non-empty --out (an existing report, a mismatched checkpoint)")
-    p.add_argument("--epochs", type=int, default=_DIGITS_DEFAULTS.epochs)
-    p.add_argument("--batch-size", type=int, default=_DIGITS_DEFAULTS.batch_size)
-    p.add_argument("--lr", type=float, default=_DIGITS_DEFAULTS.lr)
-    p.add_argument("--seed", type=int, default=_DIGITS_DEFAULTS.seed)
+    p.add_argument("--epochs", type=int, default=defaults.epochs)
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--threads", type=int, help="torch threads (1 is fastest on a busy machine)")
 
 

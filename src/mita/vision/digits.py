@@ -8,6 +8,7 @@ batch order are seeded. Training checkpoints every epoch and resumes from the ch
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -117,14 +118,15 @@ def train(
     checkpoint: Path | None = None,
     restart: bool = False,
     log=print,
+    build: Callable[[DigitsSetup], nn.Module] | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """Train a digits ViT; with ``checkpoint``, save after every epoch and resume from it.
+    """Train a digits ViT (or ``build(setup)``'s model); with ``checkpoint``, save after every epoch and resume from it.
 
     A checkpoint of another setup is an error, or is trained over with ``restart=True``.
     Returns the model and a summary (test accuracy, training seconds over all sessions).
     """
     x_train, y_train, x_test, y_test = data
-    model = make_vit(setup)
+    model = (build or make_vit)(setup)
     opt = torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.01)
     steps_per_epoch = -(-len(y_train) // setup.batch_size)
     sched = torch.optim.lr_scheduler.OneCycleLR(

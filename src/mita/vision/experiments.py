@@ -6,6 +6,9 @@
 * :func:`run_pruning`: which tokens MiTA's experts select, per layer; heat maps over the image.
 
 Each takes ``data`` = (x_train, y_train, x_test, y_test) to run on other images (the tests do).
+Swap and robustness also take a :class:`Task` (data, model, the methods' options for its length,
+the report's words) to run on other inputs: :data:`DIGITS` by default; ``mita.video`` runs them on
+moving digits.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import copy
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,7 @@ from .. import attention as registry
 from ..layers.mita import MiTAAttention
 from ..utils.files import atomic_write_text, prepare_output_dir
 from ..utils.machine import describe
-from .digits import GRID, DigitsSetup, evaluate, load_digits, train
+from .digits import GRID, DigitsSetup, evaluate, load_digits, make_vit, train
 from .flops import markdown_table
 
 #: options of each registered method for the digits' N = 65 (methods not listed use their defaults)
@@ -52,10 +55,52 @@ def config_string(name: str, options: dict[str, Any]) -> str:
     return name + (":" + ",".join(f"{k}={v}" for k, v in options.items()) if options else "")
 
 
-def swap_configs() -> list[str]:
-    """Every registered method (sized for N = 65), plus a few more MiTA settings."""
-    configs = [config_string(n, SMALL_N_OPTIONS.get(n, {})) for n in registry.names()]
-    return configs + [c for c in SWAP_MITA_EXTRA if c not in configs]
+def swap_configs(
+    options: dict[str, dict[str, Any]] | None = None, extra: tuple[str, ...] = SWAP_MITA_EXTRA
+) -> list[str]:
+    """Every registered method with ``options`` (default :data:`SMALL_N_OPTIONS`, sized for N = 65), plus ``extra``."""
+    options = SMALL_N_OPTIONS if options is None else options
+    configs = [config_string(n, options.get(n, {})) for n in registry.names()]
+    return configs + [c for c in extra if c not in configs]
+
+
+def _square(m: int) -> str | None:
+    return (
+        None
+        if math.isqrt(m) ** 2 == m
+        else f"--m values must be perfect squares (2-D pooling on the 8x8 grid), got {m}"
+    )
+
+
+@dataclass(frozen=True)
+class Task:
+    """What swap and robustness run on.
+
+    Args:
+        name (str): in titles ("digits").
+        data (str): the report's description of the data (its sizes are appended).
+        load (callable): seed -> (x_train, y_train, x_test, y_test).
+        build (callable): DigitsSetup -> the model (softmax attention, or ``setup.attention``).
+        landmarks_error (callable): m -> why m does not fit the model's grid, or None.
+        swap_options (dict): each method's options at the task's length (see :data:`SMALL_N_OPTIONS`).
+        swap_extra (tuple): more configs the swap evaluates.
+    """
+
+    name: str
+    data: str
+    load: Callable[[int], tuple[torch.Tensor, ...]]
+    build: Callable[[DigitsSetup], torch.nn.Module]
+    landmarks_error: Callable[[int], str | None] = _square
+    swap_options: dict[str, dict[str, Any]] = field(default_factory=lambda: SMALL_N_OPTIONS)
+    swap_extra: tuple[str, ...] = SWAP_MITA_EXTRA
+
+
+DIGITS = Task(
+    "digits",
+    "scikit-learn digits upscaled to 32x32 and standardised, patch 4 (8x8 grid + CLS, N = 65)",
+    load_digits,
+    make_vit,
+)
 
 
 def prepare_output(out: Path | str, force: bool) -> Path:
@@ -66,7 +111,13 @@ def prepare_output(out: Path | str, force: bool) -> Path:
 
 
 def write_report(
-    out: Path, title: str, command: str, setup: DigitsSetup, data: tuple[torch.Tensor, ...], sections: Iterable[str]
+    out: Path,
+    title: str,
+    command: str,
+    setup: DigitsSetup,
+    data: tuple[torch.Tensor, ...],
+    sections: Iterable[str],
+    task: Task = DIGITS,
 ) -> Path:
     """The markdown report: title, how it was made, then the sections."""
     head = [
@@ -78,8 +129,7 @@ def write_report(
         "",
         "Setup: "
         + ", ".join(f"{k}={v}" for k, v in asdict(setup).items())
-        + "; data: scikit-learn digits upscaled to 32x32 and standardised, patch 4 (8x8 grid + CLS, N = 65), "
-        f"{len(data[1])} train / {len(data[3])} test images",
+        + f"; data: {task.data}, {len(data[1])} train / {len(data[3])} test examples",
         "",
     ]
     path = out / REPORT
@@ -113,16 +163,17 @@ def run_swap(
     force: bool = False,
     log: Log = print,
     data: tuple[torch.Tensor, ...] | None = None,
+    task: Task = DIGITS,
 ) -> list[dict[str, Any]]:
     """Train with SDPA, evaluate every config without retraining; writes report.md and swap.png."""
     from ..models.convert import convert
 
     setup = replace(setup, attention="sdpa")
-    data = data or load_digits(setup.seed)
-    model, summary = train(setup, data, out / "sdpa.pt", restart=force, log=log)
+    data = data or task.load(setup.seed)
+    model, summary = train(setup, data, out / "sdpa.pt", restart=force, log=log, build=task.build)
     base = summary["test_accuracy"]
     rows = []
-    for config in configs or swap_configs():
+    for config in configs or swap_configs(task.swap_options, task.swap_extra):
         t0 = time.perf_counter()
         accuracy = evaluate(convert(copy.deepcopy(model), config), data[2], data[3])
         retained = 100 * accuracy / base if base else float("nan")
@@ -145,7 +196,7 @@ def run_swap(
     fig.tight_layout()
     fig.savefig(out / "swap.png", dpi=120)
     plt.close(fig)
-    title = "Attention swap on digits: trained with SDPA, evaluated with other attentions"
+    title = f"Attention swap on {task.name}: trained with SDPA, evaluated with other attentions"
     write_report(
         out,
         title,
@@ -158,6 +209,7 @@ def run_swap(
             markdown_table(rows),
             "![accuracy retained](swap.png)",
         ],
+        task,
     )
     return rows
 
@@ -174,16 +226,17 @@ def run_robustness(
     force: bool = False,
     log: Log = print,
     data: tuple[torch.Tensor, ...] | None = None,
+    task: Task = DIGITS,
 ) -> dict[str, Any]:
     """Train MiTA with ``setup.attention``'s m, k; evaluate on the grid ms x ks; report.md and robustness.png."""
     for m in ms:
-        if math.isqrt(m) ** 2 != m:
-            raise ValueError(f"--m values must be perfect squares (2-D pooling on the 8x8 grid), got {m}")
+        if (error := task.landmarks_error(m)) is not None:
+            raise ValueError(error)
     name, options = registry.parse(setup.attention)
     if name != "mita":
         raise ValueError(f"robustness trains MiTA: --train-attention must be a 'mita:...' config, got {name!r}")
-    data = data or load_digits(setup.seed)
-    model, summary = train(setup, data, out / "mita.pt", restart=force, log=log)
+    data = data or task.load(setup.seed)
+    model, summary = train(setup, data, out / "mita.pt", restart=force, log=log, build=task.build)
     layers = mita_layers(model)
     grid = torch.zeros(len(ms), len(ks))
     for i, m in enumerate(ms):
@@ -210,7 +263,7 @@ def run_robustness(
     rows = [{"m \\ k": str(m), **{f"k={k}": float(grid[i, j]) for j, k in enumerate(ks)}} for i, m in enumerate(ms)]
     trained = (options.get("num_landmarks"), options.get("topk"))
     best = divmod(int(grid.argmax()), len(ks))
-    title = "Robustness on digits: MiTA trained with small m, k, evaluated with larger ones"
+    title = f"Robustness on {task.name}: MiTA trained with small m, k, evaluated with larger ones"
     write_report(
         out,
         title,
@@ -227,6 +280,7 @@ def run_robustness(
             markdown_table(rows),
             "![accuracy over m and k](robustness.png)",
         ],
+        task,
     )
     return {"trained": summary["test_accuracy"], "grid": grid, "ms": ms, "ks": ks}
 

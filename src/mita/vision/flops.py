@@ -74,13 +74,25 @@ def mita_formula_flops(n: int, d: int, m: int, k: int, s: int = 1) -> float:
     )
 
 
-def mita_counted_flops(n: int, d: int, heads: int, m: int, k: int) -> float:
-    """FlopCounterMode on :func:`mita_attention` (B=1, 2-D pooling, one CLS prefix), per head."""
-    side = math.isqrt(n - 1)
+def mita_counted_flops(
+    n: int,
+    d: int,
+    heads: int,
+    m: int | tuple[int, ...],
+    k: int,
+    grid: tuple[int, ...] | None = None,
+    num_prefix_tokens: int = 1,
+) -> float:
+    """FlopCounterMode on :func:`mita_attention` (B=1), per head: on ``grid`` after ``num_prefix_tokens``
+    tokens (default: a square grid after one CLS token)."""
+    grid = grid or (math.isqrt(n - num_prefix_tokens),) * 2
     q, kk, v = torch.randn(3, 1, heads, n, d).unbind(0)
     with FlopCounterMode(display=False) as counter:
-        mita_attention(q, kk, v, num_landmarks=m, topk=k, grid=(side, side), num_prefix_tokens=1, impl="grouped")
-    return counter.get_total_flops() / heads + selection_ops(n, d, m, k)
+        mita_attention(
+            q, kk, v, num_landmarks=m, topk=k, grid=grid, num_prefix_tokens=num_prefix_tokens, impl="grouped"
+        )
+    landmarks = m if isinstance(m, int) else math.prod(m)
+    return counter.get_total_flops() / heads + selection_ops(n, d, landmarks, k)
 
 
 def full_model_flops(b: Backbone) -> tuple[float, float, int]:
