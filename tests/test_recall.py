@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -100,3 +102,71 @@ def test_task_data_shifts_ids_and_labels():
     assert ((split.tokens[..., 1] == 0) == (tokens[..., 1] == 0)).all()
     keep = targets != IGN
     assert torch.equal(split.labels[keep], targets[keep] - 8) and (split.labels[~keep] == IGN).all()
+
+
+DATA = ["data.seq_len=12", "data.num_pairs=2", "data.vocab_size=8", "data.num_train=512", "data.num_val=64"]
+DATA += ["data.num_test=128", "model.dim=16", "model.mlp_dim=32", "model.head_dim=8", "train.batch_size=16"]
+TINY = [*DATA, "train.steps=80", "train.warmup=10", "train.lr=0.01", "train.eval_batch_size=128"]
+TINY += ["train.eval_every=1000", "train.checkpoint_every=1000", "train.log_every=1000"]
+
+
+def test_sdpa_learns_above_chance(tmp_path):
+    from mita.lra.train import train
+
+    cfg = task.config(overrides=TINY)
+    d = task.task_data(cfg["data"])
+    summary = train(cfg, d, tmp_path / "run", attention="sdpa", progress=False, tensorboard=False)
+    assert summary["finished"] and summary["test_accuracy_last"] > 0.6  # chance 0.25, bag of values 0.5
+
+
+SHORT = [*DATA, "train.steps=6", "train.warmup=2", "train.eval_every=3", "train.checkpoint_every=2"]
+SHORT += ["train.log_every=2", "train.eval_batch_size=64"]
+
+
+def test_sweep_resumes_mid_run_and_skips_finished(tmp_path, monkeypatch):
+    from mita.lra import train as T
+    from mita.recall import sweep
+
+    cells = sweep.grid(["sdpa", "linear"], [12], pairs=[2], seeds=[0])
+    assert [c.name for c in cells] == ["sdpa-N12-P2-s0", "linear-N12-P2-s0"]
+    ref = list(sweep.sweep(cells[:1], tmp_path / "ref", SHORT))
+    # a sweep killed mid-run: its first cell has a checkpoint at step 2 and no row
+    out = tmp_path / "sweep"
+    cfg = task.config(overrides=[*SHORT, "data.seq_len=12", "data.num_pairs=2", "train.seed=0", "data.seed=0"])
+    T.train(cfg, task.task_data(cfg["data"]), out / "runs" / cells[0].name, "sdpa", stop_after=2, progress=False)
+    rows = list(sweep.sweep(cells, out, SHORT))
+    assert [r["attention"] for r in rows] == ["sdpa", "linear"]
+    assert rows[0]["test_accuracy"] == ref[0]["test_accuracy"] and rows[0]["steps"] == 6
+    a = torch.load(out / "runs" / cells[0].name / T.CHECKPOINT, weights_only=False)["model"]
+    b = torch.load(tmp_path / "ref" / "runs" / cells[0].name / T.CHECKPOINT, weights_only=False)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # re-running the finished grid trains nothing and keeps one row per run
+    monkeypatch.setattr(sweep, "run_cell", lambda *a, **k: pytest.fail("a finished cell was run again"))
+    assert list(sweep.sweep(cells, out, SHORT)) == []
+    assert len(sweep.read_results(out)) == 2
+    assert sweep.status(0.5, 0.995) == "solved" and sweep.status(0.30, 0.305) == "flat"
+
+
+def test_grid_and_cli(tmp_path, capsys):
+    from mita.cli import main
+    from mita.recall import sweep
+
+    cells = sweep.grid(["sdpa"], [256, 512], ratio=1 / 16)
+    assert [(c.seq_len, c.num_pairs) for c in cells] == [(256, 16), (512, 32)]
+    with pytest.raises(ValueError, match="either pairs"):
+        sweep.grid(["sdpa"], [64])
+    sets = [x for item in SHORT for x in ("--set", item)]
+    assert main(["recall", "generate", "--out", str(tmp_path / "data"), *sets]) == 0
+    assert main(["recall", "generate", "--out", str(tmp_path / "data"), *sets]) == 2  # refuses to overwrite
+    run = str(tmp_path / "run")
+    args = ["recall", "train", "--out", run, "--data", str(tmp_path / "data"), "--no-progress", "--no-tensorboard"]
+    assert main([*args, *sets]) == 0
+    capsys.readouterr()
+    assert main(["recall", "eval", "--checkpoint", run, "--attention", "mita:num_landmarks=2,topk=4"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["trained_with"] == "sdpa" and result["attention"] == "mita:num_landmarks=2,topk=4"
+    assert 0 <= result["accuracy"] <= 1
+    out = tmp_path / "sw"
+    argv = ["recall", "sweep", "--out", str(out), "--methods", "sdpa", "--lengths", "12", "--pairs", "1", "2"]
+    assert main([*argv, "--no-progress", *sets]) == 0
+    assert (out / "acc_vs_pairs.png").is_file() and len(sweep.read_results(out)) == 2

@@ -15,6 +15,7 @@ COMMAND_MODULES = [
     "mita.benchmarks.bench",
     "mita.cli_taxonomy",
     "mita.lra.cli",
+    "mita.recall.cli",
     "mita.vision.cli",
 ]
 
