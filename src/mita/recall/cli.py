@@ -99,7 +99,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         from . import task
 
         task.config(overrides=args.set)  # fail on a bad override before the first run
-    for row in sweep.sweep(cells, args.out, args.set, progress=not args.no_progress):
+    for row in sweep.sweep(cells, args.out, args.set, args.batch_tokens, progress=not args.no_progress):
         print(json.dumps(row), flush=True)
     for path in sweep.plot(args.out):
         print(path)
@@ -179,6 +179,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="SECTION.KEY=VALUE",
         help="configuration override for every run, e.g. train.steps=500 (repeatable)",
+    )
+    s.add_argument(
+        "--batch-tokens",
+        type=int,
+        help="batch = min(train.batch_size, this // N) sequences: the same tokens per step at every N",
     )
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.set_defaults(func=_guard(cmd_sweep))

@@ -9,6 +9,7 @@ or more P, and accuracy against N at each P/N with two or more N.
 from __future__ import annotations
 
 import csv
+import fcntl
 import json
 import re
 import shutil
@@ -108,9 +109,19 @@ def status(prev: float, last: float) -> str:
 
 
 def run_cell(
-    cell: Cell, out: Path, overrides: list[str], progress: bool = False, tensorboard: bool = True
+    cell: Cell,
+    out: Path,
+    overrides: list[str],
+    batch_tokens: int | None = None,
+    progress: bool = False,
+    tensorboard: bool = True,
 ) -> dict[str, Any]:
-    """Train (or resume) one cell and return its results row."""
+    """Train (or resume) one cell and return its results row. ``batch_tokens``: the batch is
+    min(train.batch_size, batch_tokens // N) sequences (the same tokens per step at every N)."""
+    cfg = task.config(overrides=overrides)
+    if batch_tokens is not None:
+        size = max(1, min(int(cfg["train"]["batch_size"]), batch_tokens // cell.seq_len))
+        overrides = [*overrides, f"train.batch_size={size}"]
     cfg = task.config(
         overrides=[
             *overrides,
@@ -153,9 +164,14 @@ def run_cell(
 
 
 def sweep(
-    cells: list[Cell], out: str | Path, overrides: list[str] | None = None, progress: bool = False
+    cells: list[Cell],
+    out: str | Path,
+    overrides: list[str] | None = None,
+    batch_tokens: int | None = None,
+    progress: bool = False,
 ) -> Iterator[dict[str, Any]]:
-    """Run the cells not yet in ``<out>/results.csv``, appending one row per finished run; yields the rows."""
+    """Run the cells not yet in ``<out>/results.csv``, appending one row per finished run; yields the rows.
+    ``overrides`` (``section.key=value``) and ``batch_tokens`` apply to every run (see ``run_cell``)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     done = {_row_key(r) for r in read_results(out)}
@@ -163,11 +179,11 @@ def sweep(
     for cell in cells:
         if cell.key in done:
             continue
-        row = run_cell(cell, out, list(overrides or []), progress=progress)
-        new = not path.exists()
-        with open(path, "a", newline="") as f:
+        row = run_cell(cell, out, list(overrides or []), batch_tokens, progress=progress)
+        with open(path, "a", newline="") as f:  # two sweeps may share a folder: lock, then append
+            fcntl.flock(f, fcntl.LOCK_EX)
             writer = csv.DictWriter(f, FIELDS)
-            if new:
+            if f.seek(0, 2) == 0:
                 writer.writeheader()
             writer.writerow(row)
         done.add(cell.key)
