@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 
 import pytest
@@ -162,11 +163,20 @@ def test_grid_and_cli(tmp_path, capsys):
     args = ["recall", "train", "--out", run, "--data", str(tmp_path / "data"), "--no-progress", "--no-tensorboard"]
     assert main([*args, *sets]) == 0
     capsys.readouterr()
-    assert main(["recall", "eval", "--checkpoint", run, "--attention", "mita:num_landmarks=2,topk=4"]) == 0
+    table = tmp_path / "evals.csv"
+    argv = ["recall", "eval", "--checkpoint", run, "--attention", "mita:num_landmarks=2,topk=4", "--csv", str(table)]
+    assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
+    assert main([*argv[:-2], "--option", "topk=8", "--csv", str(table)]) == 0
+    with open(table, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["options"] for r in rows] == ["{}", '{"topk": 8}'] and rows[1]["trained_with"] == "sdpa"
     assert result["trained_with"] == "sdpa" and result["attention"] == "mita:num_landmarks=2,topk=4"
     assert 0 <= result["accuracy"] <= 1
     out = tmp_path / "sw"
     argv = ["recall", "sweep", "--out", str(out), "--methods", "sdpa", "--lengths", "12", "--pairs", "1", "2"]
     assert main([*argv, "--no-progress", *sets]) == 0
     assert (out / "acc_vs_pairs.png").is_file() and len(sweep.read_results(out)) == 2
+    capsys.readouterr()
+    assert main(["recall", "report", "--out", str(out)]) == 0
+    assert "| `sdpa` |" in capsys.readouterr().out

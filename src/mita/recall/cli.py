@@ -1,9 +1,10 @@
-"""``mita recall generate|train|eval|sweep``: multi-query associative recall (spec section 9).
+"""``mita recall generate|train|eval|sweep|report``: multi-query associative recall (spec section 9).
 
     mita recall generate --out data/recall --set data.seq_len=512 --set data.num_pairs=32
     mita recall train --out runs/recall-sdpa --attention sdpa --set data.num_pairs=32
     mita recall eval --checkpoint runs/recall-sdpa --attention "mita:num_landmarks=32,topk=32"
     mita recall sweep --out runs/sweep --methods sdpa mita linear --lengths 512 --pairs 8 32 128
+    mita recall report --out runs/sweep
 
 The configuration (``mita/recall/configs/recall.json``: data, model, train) is changed with
 ``--set section.key=value``; without ``--data`` the data is generated from ``data.seed``.
@@ -18,6 +19,8 @@ import sys
 from pathlib import Path
 
 from ..lra.cli import _options
+
+EVAL_FIELDS = ["checkpoint", "step", "trained_with", "attention", "options", "split", "accuracy", "loss"]
 
 
 def _set(p: argparse.ArgumentParser) -> None:
@@ -88,6 +91,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(text + "\n")
+        if args.csv:
+            row = {k: result[k] for k in EVAL_FIELDS}
+            row["options"] = json.dumps(row["options"])
+            sweep.append_row(Path(args.csv), row, EVAL_FIELDS)
     return 0
 
 
@@ -102,6 +109,18 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     for row in sweep.sweep(cells, args.out, args.set, args.batch_tokens, progress=not args.no_progress):
         print(json.dumps(row), flush=True)
     for path in sweep.plot(args.out):
+        print(path)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from . import sweep
+
+    rows = sweep.read_results(args.out)
+    if not rows:
+        raise FileNotFoundError(f"no {sweep.RESULTS} with rows in {args.out}; run `mita recall sweep` first")
+    print(sweep.table(rows))
+    for path in sweep.plot(args.out, rows):
         print(path)
     return 0
 
@@ -163,6 +182,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     e.add_argument("--out", help="also write the result as JSON here")
     e.add_argument("--force", action="store_true", help="replace --out if it exists")
+    e.add_argument("--csv", help="append the result as one row to this CSV (created with a header)")
     e.set_defaults(func=_guard(cmd_eval))
 
     s = rc.add_parser("sweep", help="train a grid of methods x N x P (resumes; one CSV row per run) and plot it")
@@ -187,3 +207,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.set_defaults(func=_guard(cmd_sweep))
+
+    r = rc.add_parser("report", help="a sweep's results as a Markdown table, and its plots (again)")
+    r.add_argument("--out", required=True, help="the sweep folder")
+    r.set_defaults(func=_guard(cmd_report))

@@ -180,14 +180,21 @@ def sweep(
         if cell.key in done:
             continue
         row = run_cell(cell, out, list(overrides or []), batch_tokens, progress=progress)
-        with open(path, "a", newline="") as f:  # two sweeps may share a folder: lock, then append
-            fcntl.flock(f, fcntl.LOCK_EX)
-            writer = csv.DictWriter(f, FIELDS)
-            if f.seek(0, 2) == 0:
-                writer.writeheader()
-            writer.writerow(row)
+        append_row(path, row, FIELDS)
         done.add(cell.key)
         yield row
+
+
+def append_row(path: Path, row: dict[str, Any], fields: list[str]) -> None:
+    """Append ``row`` to the CSV ``path`` (header first if it is new), under a lock: two sweeps
+    may share a folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", newline="") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        writer = csv.DictWriter(f, fields)
+        if f.seek(0, 2) == 0:
+            writer.writeheader()
+        writer.writerow(row)
 
 
 def plot(out: str | Path, rows: list[dict[str, str]] | None = None) -> list[Path]:
@@ -235,6 +242,31 @@ def plot(out: str | Path, rows: list[dict[str, str]] | None = None) -> list[Path
     panels(by_n, "pairs P", "N = {}", "acc_vs_pairs.png")
     panels(by_ratio, "sequence length N", "P / N = {}", "acc_vs_length.png")
     return written
+
+
+def table(rows: list[dict[str, str]]) -> str:
+    """A Markdown table of ``rows``: one line per method, one column per (N, P) with the test
+    accuracy (%, mean over seeds), the runs' status and training seconds."""
+    methods = list(dict.fromkeys(r["attention"] for r in rows))
+    cols = sorted({(int(r["seq_len"]), int(r["num_pairs"])) for r in rows})
+    cells: dict[tuple[str, int, int], list[dict[str, str]]] = {}
+    for r in rows:
+        cells.setdefault((r["attention"], int(r["seq_len"]), int(r["num_pairs"])), []).append(r)
+    head = "| method | " + " | ".join(f"N={n}, P={p}" for n, p in cols) + " |"
+    lines = [head, "|---" * (len(cols) + 1) + "|"]
+    for m in methods:
+        out = []
+        for n, p in cols:
+            runs = cells.get((m, n, p))
+            if not runs:
+                out.append("")
+                continue
+            acc = 100 * sum(float(r["test_accuracy"]) for r in runs) / len(runs)
+            secs = sum(float(r["train_seconds"]) for r in runs) / len(runs)
+            status = "/".join(sorted({r["status"] for r in runs}))
+            out.append(f"{acc:.1f}% ({status}, {secs:.0f} s)")
+        lines.append(f"| `{m}` | " + " | ".join(out) + " |")
+    return "\n".join(lines)
 
 
 def load_run_config(run_dir: str | Path) -> dict[str, Any]:
