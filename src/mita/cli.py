@@ -19,6 +19,7 @@ import sys
 COMMAND_MODULES = [
     "mita.benchmarks.cli",
     "mita.lra.cli",
+    "mita.recall.cli",
     "mita.vision.cli",
     "mita.video.cli",
 ]

@@ -3,6 +3,9 @@
 The attention of every block is ``mita.attention.build_layer(config, dim, num_heads)``,
 so ``"sdpa"``, ``"mita:num_landmarks=32,topk=32"`` or any other registered method
 plugs in. Padding reaches the attention as a bool (B, N) mask, True = real token.
+``pooling="none"`` makes it a token classifier (logits (B, N, classes); the recall task),
+and tokens (B, N, C) hold C channels of ids whose embeddings are summed (channel 0 marks
+the real tokens).
 """
 
 from __future__ import annotations
@@ -90,10 +93,10 @@ class Encoder(nn.Module):
         attn_dropout: float = 0.1,
     ) -> None:
         super().__init__()
-        if pooling not in ("cls", "mean"):
-            raise ValueError(f"pooling must be 'cls' or 'mean', got {pooling!r}")
-        if positions not in ("learned", "sinusoidal"):
-            raise ValueError(f"positions must be 'learned' or 'sinusoidal', got {positions!r}")
+        if pooling not in ("cls", "mean", "none"):
+            raise ValueError(f"pooling must be 'cls', 'mean' or 'none' (per-token outputs), got {pooling!r}")
+        if positions not in ("learned", "sinusoidal", "none"):
+            raise ValueError(f"positions must be 'learned', 'sinusoidal' or 'none', got {positions!r}")
         if vocab_size < 2 or max_length < 1 or depth < 1:
             raise ValueError(
                 f"need vocab_size >= 2, max_length >= 1, depth >= 1; got {vocab_size}, {max_length}, {depth}"
@@ -104,6 +107,8 @@ class Encoder(nn.Module):
         self.cls = nn.Parameter(torch.zeros(1, 1, dim)) if prefix else None
         if positions == "learned":
             self.pos = nn.Parameter(torch.randn(1, max_length + prefix, dim) * 0.02)
+        elif positions == "none":
+            self.pos = None
         else:
             self.register_buffer("pos", sinusoidal(max_length + prefix, dim)[None], persistent=False)
         self.drop = nn.Dropout(dropout)
@@ -114,21 +119,26 @@ class Encoder(nn.Module):
         self.norm = nn.LayerNorm(dim)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``tokens`` (B, N) ids, 0 = padding, N <= max_length; returns (B, dim)."""
-        B, N = tokens.shape
+        """``tokens`` (B, N) ids, 0 = padding, or (B, N, C) channels of ids (embeddings summed),
+        N <= max_length; returns (B, dim), or (B, N, dim) with ``pooling="none"``."""
+        B, N = tokens.shape[:2]
         if self.max_length < N:
             raise ValueError(f"sequence length {N} exceeds the model's max_length {self.max_length}")
         tokens = tokens.long()
-        real = tokens != 0
+        real = (tokens if tokens.dim() == 2 else tokens[..., 0]) != 0
         x = self.embed(tokens)
+        if tokens.dim() == 3:
+            x = x.sum(2)
         if self.cls is not None:
             x = torch.cat([self.cls.expand(B, -1, -1), x], dim=1)
             real = torch.cat([real.new_ones(B, 1), real], dim=1)
-        x = self.drop(x + self.pos[:, : x.shape[1]])
+        x = self.drop(x if self.pos is None else x + self.pos[:, : x.shape[1]])
         mask = None if bool(real.all()) else real
         for block in self.blocks:
             x = block(x, mask)
         x = self.norm(x)
+        if self.pooling == "none":
+            return x
         if self.cls is not None:
             return x[:, 0]
         weights = real.unsqueeze(-1).to(x.dtype)

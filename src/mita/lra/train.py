@@ -6,6 +6,10 @@ restored from a checkpoint (model, optimizer, scheduler, scaler, step, RNG state
 continues exactly as if it had never stopped. A global batch is split over ranks and
 then into ``accum`` micro-batches; the loss is the sum over the global batch divided
 by its size, so any (ranks x accumulation) split computes the same update.
+
+Labels are one per sample (n,), or one per token (n, L) with ``IGNORE`` where a token has
+none (token classification, the recall task); loss and accuracy are then over the labelled
+tokens, and the global batch's size is its number of labelled tokens.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ METRICS = "metrics.csv"
 BEFORE_CHECKPOINT = (MANIFEST, METRICS, "tb")
 #: train keys a resumed run may change; anything else in the config (and the attention, the data) may not
 RESUMABLE = ("steps", "eval_every", "checkpoint_every", "log_every", "eval_samples", "eval_batch_size")
+#: the label of a token that has none (recall: every position but the queries)
+IGNORE = -100
 CSV_FIELDS = ["step", "epoch", "split", "loss", "accuracy", "lr", "samples_per_s", "train_seconds"]
 
 
@@ -91,15 +97,26 @@ def meta_of(data: TaskData) -> dict[str, Any]:
 
 def _batch(split: Split, idx: torch.Tensor, device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Inputs (trimmed to the longest real sequence) and labels of the samples ``idx``."""
-
-    def take(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        width = max(1, int(lengths[idx].max()))
-        return tokens[idx, :width].to(device, torch.long)
-
-    inputs = [take(split.tokens, split.lengths)]
+    width = max(1, int(split.lengths[idx].max()))
+    inputs = [split.tokens[idx, :width].to(device, torch.long)]
     if split.tokens2 is not None:
-        inputs.append(take(split.tokens2, split.lengths2))
-    return inputs, split.labels[idx].to(device)
+        inputs.append(split.tokens2[idx, : max(1, int(split.lengths2[idx].max()))].to(device, torch.long))
+    labels = split.labels[idx]
+    return inputs, (labels[:, :width] if labels.dim() == 2 else labels).to(device, torch.long)
+
+
+def num_targets(labels: torch.Tensor) -> int:
+    """Labelled entries of ``labels``: its length for per-sample labels, the non-``IGNORE`` tokens else."""
+    return int((labels != IGNORE).sum())
+
+
+def scores(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy and number correct of ``logits`` (B, C) or (B, N, C) against
+    ``labels`` (B,) or (B, N), ``IGNORE`` entries left out."""
+    logits, labels = logits.flatten(0, -2), labels.flatten()
+    loss = F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
+    correct = ((logits.detach().argmax(-1) == labels) & (labels != IGNORE)).sum()
+    return loss, correct
 
 
 def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -126,8 +143,7 @@ def evaluate(
     model.eval()
     n = len(split) if max_samples is None else min(len(split), max_samples)
     idx = torch.arange(ctx.rank, n, ctx.world)
-    loss = correct = 0.0
-    seconds = 0.0
+    loss = correct = seconds = 0.0
     for lo in range(0, len(idx), batch_size):
         inputs, labels = _batch(split, idx[lo : lo + batch_size], ctx.device)
         start = time.perf_counter()
@@ -136,13 +152,15 @@ def evaluate(
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         seconds += time.perf_counter() - start
-        loss += float(F.cross_entropy(logits, labels, reduction="sum"))
-        correct += float((logits.argmax(-1) == labels).sum())
+        batch_loss, batch_correct = scores(logits, labels)
+        loss += float(batch_loss)
+        correct += float(batch_correct)
+    targets = num_targets(split.labels[:n])
     loss, correct, seconds_sum = ctx.all_sum([loss, correct, seconds])
     model.train(was_training)
     return {
-        "loss": loss / max(n, 1),
-        "accuracy": correct / max(n, 1),
+        "loss": loss / max(targets, 1),
+        "accuracy": correct / max(targets, 1),
         "samples_per_s": n / max(seconds_sum / ctx.world, 1e-9),
     }
 
@@ -421,7 +439,7 @@ def train(
 
     bar = tqdm(total=steps, initial=step, disable=not (progress and ctx.main), desc=f"train {attention}")
     started, stopped = time.perf_counter(), False
-    window = {"loss": 0.0, "correct": 0.0, "count": 0.0, "seconds": 0.0}
+    window = {"loss": 0.0, "correct": 0.0, "count": 0.0, "samples": 0.0, "seconds": 0.0}
     model.train()
     while step < steps:
         stop = (stop_after is not None and step >= stop_after) or (
@@ -434,7 +452,9 @@ def train(
             break
         tick = time.perf_counter()
         torch.manual_seed(_step_seed(int(tc["seed"]), step, ctx.rank))
-        idx = batch_indices(len(train_split), gb, int(tc["seed"]), step)[ctx.rank :: ctx.world]
+        global_idx = batch_indices(len(train_split), gb, int(tc["seed"]), step)
+        targets = num_targets(train_split.labels[global_idx])
+        idx = global_idx[ctx.rank :: ctx.world]
         opt.zero_grad(set_to_none=True)
         loss_sum = correct = 0.0
         for j, micro in enumerate(idx.chunk(accum)):
@@ -443,10 +463,10 @@ def train(
             with sync:
                 with _autocast(ctx.device, precision):
                     logits = ddp(*inputs).float()
-                loss = F.cross_entropy(logits, labels, reduction="sum")
-                scaler.scale(loss * (ctx.world / gb)).backward()
+                loss, right = scores(logits, labels)
+                scaler.scale(loss * (ctx.world / max(targets, 1))).backward()
             loss_sum += float(loss.detach())
-            correct += float((logits.detach().argmax(-1) == labels).sum())
+            correct += float(right)
         if tc.get("grad_clip"):
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), float(tc["grad_clip"]))
@@ -457,14 +477,14 @@ def train(
         elapsed = time.perf_counter() - tick
         train_seconds += elapsed
         loss_sum, correct = ctx.all_sum([loss_sum, correct])
-        for key, value in (("loss", loss_sum), ("correct", correct), ("count", gb), ("seconds", elapsed)):
+        for key, value in zip(window, (loss_sum, correct, targets, gb, elapsed)):
             window[key] += value
         bar.update(1)
         if step % int(tc["log_every"]) == 0 or step == steps:
             row = {
                 "loss": window["loss"] / window["count"],
                 "accuracy": window["correct"] / window["count"],
-                "samples_per_s": window["count"] / max(window["seconds"], 1e-9),
+                "samples_per_s": window["samples"] / max(window["seconds"], 1e-9),
             }
             bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.3f}", sps=f"{row['samples_per_s']:.1f}")
             logger.log(

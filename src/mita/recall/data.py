@@ -1,0 +1,164 @@
+"""Multi-query associative recall (MQAR; Arora et al. 2023, "Zoology"), bidirectional, spec section 9.
+
+A sequence of length N holds P key-value pairs at its start, then the P keys again as
+queries, in a random order, at random positions after the pairs; every other position
+holds the filler token 0. Keys are distinct and drawn from the first half of a
+vocabulary of V tokens (ids 1 .. V/2 - 1; 0 is the filler), values from the second half
+(V/2 .. V - 1, with repetition). The target at a query position is its key's value;
+every other position has the target ``IGNORE``.
+
+Two forms:
+
+- ``"interleaved"`` (the spec's form): ``k1 v1 k2 v2 ... kP vP`` fill positions 0 .. 2P-1;
+  ``tokens`` is (n, N).
+- ``"onehop"`` (the form that trains on CPU): pair i sits at position i, holding its key in
+  channel 0 and its value in channel 1 (the model sums their embeddings); a query holds its
+  key in channel 0 and no value (0) in channel 1; ``tokens`` is (n, N, 2).
+
+Sequences are drawn in chunks of ``CHUNK``, chunk c from a CPU ``torch.Generator`` seeded
+with ``seed * 1_000_003 + c``, so a seed gives the same sequences on any machine (with the
+same PyTorch), and the first n sequences do not depend on how many are drawn.
+
+On disk (``save`` / ``load``): one ``<split>.npz`` per split holding ``tokens`` and
+``targets`` (int16, the layout above), and ``meta.json`` with the ``RecallSpec`` fields.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+IGNORE = -100
+CHUNK = 1024
+FORMS = ("onehop", "interleaved")
+SPLITS = ("train", "val", "test")
+
+
+@dataclass(frozen=True)
+class RecallSpec:
+    """One recall setting.
+
+    Args:
+        seq_len: N, tokens per sequence.
+        num_pairs: P, key-value pairs (and queries) per sequence.
+        vocab_size: V, even; keys from 1 .. V/2 - 1, values from V/2 .. V - 1 (default 128).
+        form: "onehop" (default) or "interleaved".
+    """
+
+    seq_len: int
+    num_pairs: int
+    vocab_size: int = 128
+    form: str = "onehop"
+
+    def __post_init__(self) -> None:
+        if self.form not in FORMS:
+            raise ValueError(f"form must be one of {list(FORMS)}, got {self.form!r}")
+        if self.vocab_size < 4 or self.vocab_size % 2:
+            raise ValueError(f"vocab_size must be even and >= 4, got {self.vocab_size}")
+        if not 1 <= self.num_pairs <= self.vocab_size // 2 - 1:
+            raise ValueError(
+                f"num_pairs must be in 1 .. vocab_size/2 - 1 = {self.vocab_size // 2 - 1} (keys are distinct), "
+                f"got {self.num_pairs}; raise vocab_size"
+            )
+        if self.seq_len < self.context_len + self.num_pairs:
+            raise ValueError(
+                f"seq_len={self.seq_len} cannot hold {self.num_pairs} pairs ({self.context_len} positions) "
+                f"and {self.num_pairs} queries; need seq_len >= {self.context_len + self.num_pairs}"
+            )
+
+    @property
+    def context_len(self) -> int:
+        """Positions taken by the pairs: P (one-hop) or 2P (interleaved)."""
+        return self.num_pairs * (1 if self.form == "onehop" else 2)
+
+    @property
+    def num_classes(self) -> int:
+        """Values a target can take: V/2 (class c is value V/2 + c)."""
+        return self.vocab_size // 2
+
+
+def _chunk(spec: RecallSpec, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    N, P, half = spec.seq_len, spec.num_pairs, spec.vocab_size // 2
+    rows = torch.arange(n)[:, None]
+    keys = torch.rand(n, half - 1, generator=generator).argsort(1)[:, :P] + 1  # distinct, 1 .. V/2-1
+    values = torch.randint(half, spec.vocab_size, (n, P), generator=generator)
+    start = spec.context_len
+    slots = torch.rand(n, N - start, generator=generator).argsort(1)[:, :P] + start  # distinct, random order
+    channels = 2 if spec.form == "onehop" else 1
+    tokens = torch.zeros(n, N, channels, dtype=torch.long)
+    if spec.form == "onehop":
+        tokens[:, :P, 0], tokens[:, :P, 1] = keys, values
+    else:
+        tokens[:, 0:start:2, 0], tokens[:, 1:start:2, 0] = keys, values
+    tokens[rows, slots, 0] = keys
+    targets = torch.full((n, N), IGNORE, dtype=torch.long)
+    targets[rows, slots] = values
+    if spec.form == "interleaved":
+        tokens = tokens[..., 0]
+    return tokens, targets
+
+
+def generate(spec: RecallSpec, num: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``num`` sequences of ``spec``: tokens (num, N, 2) one-hop or (num, N) interleaved, and
+    targets (num, N) with the value at query positions and ``IGNORE`` elsewhere (int16 both)."""
+    if num < 0:
+        raise ValueError(f"num must be >= 0, got {num}")
+    tok_parts, tgt_parts = [], []
+    for c in range(math.ceil(num / CHUNK)):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + c)
+        tokens, targets = _chunk(spec, CHUNK, g)
+        count = min(CHUNK, num - c * CHUNK)
+        tok_parts.append(tokens[:count].to(torch.int16))
+        tgt_parts.append(targets[:count].to(torch.int16))
+    if not tok_parts:
+        shape = (0, spec.seq_len, 2) if spec.form == "onehop" else (0, spec.seq_len)
+        return torch.zeros(shape, dtype=torch.int16), torch.zeros(0, spec.seq_len, dtype=torch.int16)
+    return torch.cat(tok_parts), torch.cat(tgt_parts)
+
+
+def split_seeds(seed: int) -> dict[str, int]:
+    """The generator seed of each split: disjoint streams for train, val and test."""
+    return {name: 3 * seed + i for i, name in enumerate(SPLITS)}
+
+
+def save(out: str | Path, spec: RecallSpec, sizes: dict[str, int], seed: int = 0, overwrite: bool = False) -> Path:
+    """Write ``<split>.npz`` (tokens, targets) for each split of ``sizes`` and ``meta.json`` under ``out``."""
+    out = Path(out)
+    paths = [out / f"{name}.npz" for name in sizes] + [out / "meta.json"]
+    existing = [str(p) for p in paths if p.exists()]
+    if existing and not overwrite:
+        raise FileExistsError(f"{', '.join(existing)} exist; pass --overwrite to replace them")
+    unknown = set(sizes) - set(SPLITS)
+    if unknown:
+        raise ValueError(f"split names must be among {list(SPLITS)}, got {sorted(unknown)}")
+    out.mkdir(parents=True, exist_ok=True)
+    seeds = split_seeds(seed)
+    for name, num in sizes.items():
+        tokens, targets = generate(spec, num, seeds[name])
+        np.savez(out / f"{name}.npz", tokens=tokens.numpy(), targets=targets.numpy())
+    meta = {**asdict(spec), "seed": seed, "sizes": sizes}
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return out
+
+
+def load(root: str | Path) -> tuple[RecallSpec, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Read what ``save`` wrote: the spec and {split: (tokens, targets)}."""
+    root = Path(root)
+    meta_path = root / "meta.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{meta_path} not found; expected the output of `mita recall generate`")
+    meta = json.loads(meta_path.read_text())
+    spec = RecallSpec(**{k: meta[k] for k in ("seq_len", "num_pairs", "vocab_size", "form")})
+    splits = {}
+    for name in meta["sizes"]:
+        path = root / f"{name}.npz"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found; meta.json lists split {name!r}")
+        with np.load(path, allow_pickle=False) as f:
+            splits[name] = (torch.from_numpy(f["tokens"]), torch.from_numpy(f["targets"]))
+    return spec, splits
