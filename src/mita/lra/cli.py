@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+from collections.abc import Callable
 from typing import Any
 
 from ..utils.files import atomic_write, atomic_write_text, check_output_file, prepare_output_dir
@@ -75,18 +76,24 @@ def _spec(cls: type, options: dict[str, Any]) -> Any:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """``mita lra train``: train (or ``--resume``) a run in ``--out``."""
-    from ..utils.distributed import init_distributed
-    from .train import resume_config, train
+    from .train import resume_config
 
     if args.resume and args.variant is None and args.config is None:
         config = resume_config(args.out, args.set)  # the run's own configuration, with --set applied
     else:
         config = _config(args)
+    return train_with(args, config, lambda: _data(args, config))
+
+
+def train_with(args: argparse.Namespace, config: dict[str, Any], data: Callable[[], Any]) -> int:
+    """Train ``config`` on ``data()`` with the training flags of ``args`` (shared by lra and recall)."""
+    from ..utils.distributed import init_distributed
+    from .train import train
+
     ctx = init_distributed(args.device)
-    data = _data(args, config)
     summary = train(
         config,
-        data,
+        data(),
         args.out,
         attention=args.attention,
         resume=args.resume,

@@ -17,6 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
+from ..utils.files import atomic_write_text, check_output_file
 from ..utils.flags import add_force, add_out
 from ..utils.options import parse_assignments
 
@@ -44,35 +45,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from ..lra.train import init_distributed, train
+    from ..lra.cli import train_with
     from . import task
 
     cfg = task.config(overrides=args.set, path=args.config)
-    ctx = init_distributed(args.device)
-    summary = train(
-        cfg,
-        task.task_data(cfg["data"], args.data),
-        args.out,
-        attention=args.attention,
-        resume=args.resume,
-        stop_after=args.stop_after,
-        time_limit=args.time_limit,
-        progress=not args.no_progress,
-        tensorboard=not args.no_tensorboard,
-        ctx=ctx,
-    )
-    if ctx.main:
-        print(json.dumps(summary, indent=2))
-    return 0
+    return train_with(args, cfg, lambda: task.task_data(cfg["data"], args.data))
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from ..lra.train import evaluate_checkpoint, init_distributed
+    from ..lra.train import evaluate_checkpoint
+    from ..utils.distributed import init_distributed
     from . import sweep, task
 
-    out = Path(args.out) if args.out else None
-    if out is not None and out.exists() and not args.force:
-        raise FileExistsError(f"{out} exists; pass --force to replace it")
+    out = check_output_file(args.out, force=args.force) if args.out else None
     run = Path(args.checkpoint)
     cfg = sweep.load_run_config(run if run.is_dir() else run.parent)
     ctx = init_distributed(args.device)
@@ -89,8 +74,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         text = json.dumps(result, indent=2)
         print(text)
         if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(text + "\n")
+            atomic_write_text(out, text + "\n")
         if args.csv:
             row = {k: result[k] for k in EVAL_FIELDS}
             row["options"] = json.dumps(row["options"])
