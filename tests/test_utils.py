@@ -110,6 +110,18 @@ def test_deprecated_spellings_warn_and_still_work(tmp_path, capsys):
     assert "--overwrite is deprecated" in capsys.readouterr().err
     args = build_parser().parse_args(["vision", "train", "--data", "d", "--output", "o"])
     assert args.out == "o" and "--output is deprecated" in capsys.readouterr().err
+    args = build_parser().parse_args(["lra", "train", "--task", "listops", "--data", "d", "--run-dir", "r"])
+    assert args.out == "r" and "--run-dir is deprecated" in capsys.readouterr().err
+
+
+def test_nested_set_reaches_the_generator(tmp_path):
+    """``--set data.generate.num_train=...`` (a nested key) through ``mita lra generate``."""
+    out = tmp_path / "listops"
+    argv = ["lra", "generate", "--task", "listops", "--out", str(out), "--set", "data.generate.num_train=7"]
+    argv += ["--set", "data.generate.num_val=3", "--set", "data.generate.num_test=3"]
+    assert main(argv) == 0
+    train = next(p for p in out.rglob("*train*") if p.is_file())
+    assert sum(1 for _ in train.open()) - 1 == 7  # a header, then one line per sample
 
 
 def test_numbers_below_one_are_refused_at_parse_time(capsys):
