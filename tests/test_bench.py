@@ -323,3 +323,13 @@ def test_demo_checks_agreement_and_prints_the_table(capsys) -> None:
 def test_demo_rejects_bad_lengths(capsys) -> None:
     assert main(["demo", "--lengths", "0"]) == 2
     assert "--lengths" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("name", "batch", "n", "m", "grid"), [("deit224", 16, 197, 25, (14, 14)), ("deit512", 4, 1025, 49, (32, 32))]
+)
+def test_deit_presets_hold_the_vision_targets_shapes(name: str, batch: int, n: int, m: int, grid: tuple) -> None:
+    p = bench.PRESETS[name]
+    assert (p.batch, p.heads, p.head_dim, p.lengths, p.fixed_lengths) == (batch, 6, 64, (n,), True)
+    assert p.options_at(n) == {"num_landmarks": m, "topk": m, "grid": grid, "num_routed": 1, "num_prefix_tokens": 1}
+    assert grid[0] * grid[1] + 1 == n  # one CLS token ahead of the patch grid

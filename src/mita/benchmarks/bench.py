@@ -88,6 +88,23 @@ PRESETS = {
         },
         fixed_lengths=True,
     ),
+    # issue 11's op targets, DeiT-S's attention with its batch: 224 px (B = 16, N = 197) and 512 px (B = 4, N = 1,025)
+    "deit224": Preset(
+        16,
+        6,
+        64,
+        (197,),
+        {"num_landmarks": 25, "topk": 25, "grid": (14, 14), "num_routed": 1, "num_prefix_tokens": 1},
+        fixed_lengths=True,
+    ),
+    "deit512": Preset(
+        4,
+        6,
+        64,
+        (1025,),
+        {"num_landmarks": 49, "topk": 49, "grid": (32, 32), "num_routed": 1, "num_prefix_tokens": 1},
+        fixed_lengths=True,
+    ),
     # video (VideoMAE-base: 12 heads of 64): 16 frames at 224 px in 2x16x16 tubelets, an (8, 14, 14) grid of
     # N = 1,568 tokens, and 32 frames, (16, 14, 14), N = 3,136; m = k = 98 on a (2, 7, 7) landmark grid
     "video": Preset(
