@@ -41,6 +41,7 @@ from .report import (
     fmt,
     from_other_session,
     markdown_table,
+    measured_row,
     num,
     plot,
     ratios,
@@ -242,16 +243,7 @@ def measure_row(row: Row, options: Mapping[str, Any], case: Case, settings: Sett
         name = re.sub(r"[^\w.=-]+", "_", f"{row['series']}-N{case.n}-{row['mode']}") + ".txt"
         settings.profile_dir.mkdir(exist_ok=True)
         (settings.profile_dir / name).write_text(op_profile(op, case, row["mode"], seed=settings.seed))
-    return {
-        **row,
-        "status": OK,
-        "median_s": fmt(m.median_s),
-        "repeats": str(m.repeats),
-        "tokens_per_s": fmt(case.batch * case.n / m.median_s),
-        "peak_bytes": fmt(m.peak_bytes),
-        "reference_bytes": fmt(m.reference_bytes),
-        "memory_ratio": fmt(m.peak_bytes / m.reference_bytes if m.peak_bytes is not None else None),
-    }
+    return measured_row(row, m, case.batch * case.n)
 
 
 def add_ratios(row: Row, baseline_row: Row | None) -> Row:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ..ops.mita import mita_attention, mita_flops
 from ..utils.machine import machine_info
-from .report import FIELDS, OK, CsvLog, Row, fmt, markdown_table, num, ratios, session_info, write_rows
+from .report import FIELDS, OK, CsvLog, Row, fmt, markdown_table, measured_row, num, ratios, session_info, write_rows
 from .timing import MODES, Case, measure
 
 BASELINE = "sdpa[FLASH_ATTENTION]"
@@ -210,16 +210,7 @@ def _measure(row: Row, op: Callable, case: Case, mode: str, p: GpuPreset) -> Row
             torch.cuda.empty_cache()
         message = str(err).splitlines()[0][:160] if str(err) else ""
         return {**row, "status": f"failed: {type(err).__name__}: {message}"}
-    return {
-        **row,
-        "status": OK,
-        "median_s": fmt(m.median_s),
-        "repeats": str(m.repeats),
-        "tokens_per_s": fmt(case.batch * case.n / m.median_s),
-        "peak_bytes": fmt(m.peak_bytes),
-        "reference_bytes": fmt(m.reference_bytes),
-        "memory_ratio": fmt(m.peak_bytes / m.reference_bytes if m.peak_bytes is not None else None),
-    }
+    return measured_row(row, m, case.batch * case.n)
 
 
 def _with_ratios(row: Row, base: Row | None) -> Row:

@@ -11,6 +11,7 @@ import datetime
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 FIELDS = (
     "session",
@@ -226,3 +227,17 @@ _TITLES = {"fwd": "forward", "fwdbwd": "forward + backward"}
 
 def _mib(cell: str) -> float | None:
     return None if not cell else float(cell) / 2**20
+
+
+def measured_row(row: Row, m: Any, tokens: int) -> Row:
+    """``row`` completed with a measurement ``m`` (median_s, repeats, peak_bytes, reference_bytes) of ``tokens``."""
+    return {
+        **row,
+        "status": OK,
+        "median_s": fmt(m.median_s),
+        "repeats": str(m.repeats),
+        "tokens_per_s": fmt(tokens / m.median_s),
+        "peak_bytes": fmt(m.peak_bytes),
+        "reference_bytes": fmt(m.reference_bytes),
+        "memory_ratio": fmt(m.peak_bytes / m.reference_bytes if m.peak_bytes is not None else None),
+    }

@@ -18,7 +18,7 @@ def _warn(parser: argparse.ArgumentParser, old: str, new: str) -> None:
 
 
 class _Out(argparse.Action):
-    """Stores the value; warns when a deprecated spelling was used."""
+    """Stores the value (``True`` for a flag without one); warns when a deprecated spelling was used."""
 
     def __call__(
         self,
@@ -29,25 +29,14 @@ class _Out(argparse.Action):
     ) -> None:
         if option_string != self.option_strings[0]:
             _warn(parser, option_string, self.option_strings[0])
-        setattr(namespace, self.dest, values)
+        setattr(namespace, self.dest, True if self.nargs == 0 else values)
 
 
-class _Force(argparse.Action):
+class _Force(_Out):
     """``store_true`` that warns when a deprecated spelling was used."""
 
     def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
         super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        if option_string != self.option_strings[0]:
-            _warn(parser, option_string, self.option_strings[0])
-        setattr(namespace, self.dest, True)
 
 
 def add_out(
