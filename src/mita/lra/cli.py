@@ -197,6 +197,19 @@ def _common(p: argparse.ArgumentParser, data: bool = True) -> None:
         p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if available)")
 
 
+def add_training_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags :func:`train_with` reads besides ``--out`` and ``--device`` (shared by lra and recall)."""
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its checkpoint (steps and eval/checkpoint cadence may change)",
+    )
+    p.add_argument("--stop-after", type=_positive_int, help="stop (with a checkpoint) once this many steps are done")
+    p.add_argument("--time-limit", type=float, help="stop (with a checkpoint) after this many seconds")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-tensorboard", action="store_true", help="CSV logs only")
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "lra",
@@ -218,15 +231,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _common(t)
     t.add_argument("--attention", help="registered attention or config, e.g. 'mita:topk=32' (default sdpa)")
     add_out(t, "run folder for checkpoints and logs (never overwritten)", required=True, deprecated=["--run-dir"])
-    t.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the run in --out from its checkpoint (steps and eval/checkpoint cadence may change)",
-    )
-    t.add_argument("--stop-after", type=_positive_int, help="stop (with a checkpoint) once this many steps are done")
-    t.add_argument("--time-limit", type=float, help="stop (with a checkpoint) after this many seconds")
-    t.add_argument("--no-progress", action="store_true", help="no progress bar")
-    t.add_argument("--no-tensorboard", action="store_true", help="CSV logs only")
+    add_training_arguments(t)
     t.set_defaults(func=cmd_train)
 
     e = lra.add_parser("eval", help="evaluate a checkpoint, optionally with another attention or m, k, s")

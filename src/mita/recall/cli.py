@@ -17,6 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
+from ..lra.cli import add_training_arguments
 from ..utils.files import atomic_write_text, check_output_file
 from ..utils.flags import add_force, add_out
 from ..utils.options import parse_assignments
@@ -129,11 +130,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_out(t, "run folder for checkpoints and logs (never overwritten)", required=True)
     t.add_argument("--attention", default="sdpa", help="registered attention or config, e.g. 'mita:topk=32'")
     t.add_argument("--data", help="a folder written by `mita recall generate` (default: generate from the config)")
-    t.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
-    t.add_argument("--stop-after", type=int, help="stop (with a checkpoint) once this many steps are done")
-    t.add_argument("--time-limit", type=float, help="stop (with a checkpoint) after this many seconds")
-    t.add_argument("--no-progress", action="store_true", help="no progress bar")
-    t.add_argument("--no-tensorboard", action="store_true", help="CSV logs only")
+    add_training_arguments(t)
     t.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if available)")
     t.set_defaults(func=cmd_train)
 
