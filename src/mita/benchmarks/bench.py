@@ -37,14 +37,13 @@ from .report import (
     OTHER_SESSION,
     CsvLog,
     Row,
+    add_ratios,
     crossovers,
     fmt,
     from_other_session,
     markdown_table,
     measured_row,
-    num,
     plot,
-    ratios,
     read_rows,
     session_info,
     write_rows,
@@ -244,16 +243,6 @@ def measure_row(row: Row, options: Mapping[str, Any], case: Case, settings: Sett
         settings.profile_dir.mkdir(exist_ok=True)
         (settings.profile_dir / name).write_text(op_profile(op, case, row["mode"], seed=settings.seed))
     return measured_row(row, m, case.batch * case.n)
-
-
-def add_ratios(row: Row, baseline_row: Row | None) -> Row:
-    """The row with its speed-up over the baseline row (if measured) and the FLOP model's ideal."""
-    if row["status"] != OK:
-        return row
-    base = baseline_row or {}
-    base_s = num(base["median_s"]) if base.get("status") == OK else None
-    derived = ratios(float(row["median_s"]), base_s, num(row["model_flops"]), num(base.get("model_flops", "")))
-    return {**row, **derived, "baseline_session": base["session"] if base_s is not None else ""}
 
 
 def _key(row: Row) -> tuple[str, ...]:

@@ -29,7 +29,18 @@ import torch.nn.functional as F
 
 from ..ops.mita import mita_attention, mita_flops
 from ..utils.machine import machine_info
-from .report import FIELDS, OK, CsvLog, Row, fmt, markdown_table, measured_row, num, ratios, session_info, write_rows
+from .report import (
+    FIELDS,
+    OK,
+    CsvLog,
+    Row,
+    add_ratios,
+    fmt,
+    markdown_table,
+    measured_row,
+    session_info,
+    write_rows,
+)
 from .timing import MODES, Case, measure
 
 BASELINE = "sdpa[FLASH_ATTENTION]"
@@ -180,7 +191,7 @@ def run_gpu(args: argparse.Namespace, prepare_out_dir: Callable[..., Path]) -> i
                             row = gpu_row(label, method, options, case, mode, session, mita_opts)
                             row = _measure(row, op, case, mode, p)
                             base = row if label == BASELINE else base
-                            row = _with_ratios(row, base)
+                            row = add_ratios(row, base)
                             failures += method == "mita" and row["status"] != OK
                             rows.append(row)
                             log.write(row)
@@ -211,16 +222,6 @@ def _measure(row: Row, op: Callable, case: Case, mode: str, p: GpuPreset) -> Row
         message = str(err).splitlines()[0][:160] if str(err) else ""
         return {**row, "status": f"failed: {type(err).__name__}: {message}"}
     return measured_row(row, m, case.batch * case.n)
-
-
-def _with_ratios(row: Row, base: Row | None) -> Row:
-    """The row with its speed-up over the baseline's row at the same point (if that one ran)."""
-    if row["status"] != OK:
-        return row
-    base_s = num(base["median_s"]) if base is not None and base["status"] == OK else None
-    base_flops = num(base["model_flops"]) if base is not None else None
-    cells = ratios(float(row["median_s"]), base_s, num(row["model_flops"]), base_flops)
-    return {**row, **cells, "baseline_session": row["session"] if base_s is not None else ""}
 
 
 def _summary(row: Row) -> str:

@@ -241,3 +241,13 @@ def measured_row(row: Row, m: Any, tokens: int) -> Row:
         "reference_bytes": fmt(m.reference_bytes),
         "memory_ratio": fmt(m.peak_bytes / m.reference_bytes if m.peak_bytes is not None else None),
     }
+
+
+def add_ratios(row: Row, baseline_row: Row | None) -> Row:
+    """The row with its speed-up over the baseline row (if measured) and the FLOP model's ideal."""
+    if row["status"] != OK:
+        return row
+    base = baseline_row or {}
+    base_s = num(base["median_s"]) if base.get("status") == OK else None
+    derived = ratios(float(row["median_s"]), base_s, num(row["model_flops"]), num(base.get("model_flops", "")))
+    return {**row, **derived, "baseline_session": base["session"] if base_s is not None else ""}
