@@ -241,12 +241,26 @@ def test_run_killed_before_its_first_checkpoint_leaves_a_reusable_folder(tmp_pat
         ({"batch_size": 6, "accum": 4}, "divisible"),
         ({"precision": "fp16"}, "CUDA"),
         ({"precision": "fp8"}, "precision"),
+        ({"stop_at_accuracy": 1.5}, "stop_at_accuracy"),
+        ({"stop_at_accuracy": "0.9"}, "stop_at_accuracy"),
     ],
-    ids=["indivisible-batch", "fp16-on-cpu", "unknown-precision"],
+    ids=["indivisible-batch", "fp16-on-cpu", "unknown-precision", "stop-above-1", "stop-not-a-number"],
 )
 def test_train_config_errors(tmp_path, data, update, match):
     with pytest.raises(ValueError, match=match):
         T.train(tiny_config(**update), data, tmp_path / "bad", progress=False, tensorboard=False, ctx=T.Dist())
+
+
+def test_stop_at_accuracy_ends_the_run_as_finished_and_stays_stopped(tmp_path, data, monkeypatch):
+    monkeypatch.setattr(T, "evaluate", lambda *a, **k: {"loss": 0.0, "accuracy": 1.0, "samples_per_s": 1.0})
+    config = tiny_config(stop_at_accuracy=0.99)
+    summary = T.train(config, data, tmp_path / "run", progress=False, tensorboard=False)
+    assert summary["finished"] and summary["step"] == summary["solved_at"] == 3  # the first validation
+    assert summary["test_accuracy_last"] == 1.0 and summary["steps"] == 6
+    again = T.train(config, data, tmp_path / "run", resume=True, progress=False, tensorboard=False)
+    assert again["step"] == 3 and again["finished"]
+    plain = T.train(tiny_config(), data, tmp_path / "plain", progress=False, tensorboard=False)
+    assert plain["step"] == 6 and "solved_at" not in plain  # off by default
 
 
 def test_bf16_autocast_trains_on_cpu(tmp_path, data):

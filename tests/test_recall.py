@@ -137,7 +137,7 @@ def test_sweep_resumes_mid_run_and_skips_finished(tmp_path, monkeypatch):
     T.train(cfg, task.task_data(cfg["data"]), out / "runs" / cells[0].name, "sdpa", stop_after=2, progress=False)
     rows = list(sweep.sweep(cells, out, SHORT))
     assert [r["attention"] for r in rows] == ["sdpa", "linear"]
-    assert rows[0]["test_accuracy"] == ref[0]["test_accuracy"] and rows[0]["steps"] == 6
+    assert rows[0]["test_accuracy"] == ref[0]["test_accuracy"] and rows[0]["steps"] == rows[0]["max_steps"] == 6
     a = torch.load(out / "runs" / cells[0].name / T.CHECKPOINT, weights_only=False)["model"]
     b = torch.load(tmp_path / "ref" / "runs" / cells[0].name / T.CHECKPOINT, weights_only=False)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -146,6 +146,17 @@ def test_sweep_resumes_mid_run_and_skips_finished(tmp_path, monkeypatch):
     assert list(sweep.sweep(cells, out, SHORT)) == []
     assert len(sweep.read_results(out)) == 2
     assert sweep.status(0.5, 0.995) == "solved" and sweep.status(0.30, 0.305) == "flat"
+
+
+def test_sweep_records_the_step_a_solved_run_stopped_at(tmp_path, monkeypatch):
+    from mita.lra import train as T
+    from mita.recall import sweep
+
+    monkeypatch.setattr(T, "evaluate", lambda *a, **k: {"loss": 0.0, "accuracy": 1.0, "samples_per_s": 1.0})
+    cells = sweep.grid(["sdpa"], [12], pairs=[2])
+    [row] = sweep.sweep(cells, tmp_path, [*SHORT, "train.stop_at_accuracy=0.99"])
+    assert row["steps"] == 3 and row["max_steps"] == 6 and row["status"] == "solved"
+    assert sweep.read_results(tmp_path)[0]["steps"] == "3"
 
 
 def test_grid_and_cli(tmp_path, capsys):

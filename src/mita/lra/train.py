@@ -56,7 +56,15 @@ METRICS = "metrics.csv"
 #: what a run folder holds before its first checkpoint: such a folder may be reused
 BEFORE_CHECKPOINT = (MANIFEST, METRICS, "tb")
 #: train keys a resumed run may change; anything else in the config (and the attention, the data) may not
-RESUMABLE = ("steps", "eval_every", "checkpoint_every", "log_every", "eval_samples", "eval_batch_size")
+RESUMABLE = (
+    "steps",
+    "eval_every",
+    "checkpoint_every",
+    "log_every",
+    "eval_samples",
+    "eval_batch_size",
+    "stop_at_accuracy",
+)
 #: the label of a token that has none (recall: every position but the queries)
 IGNORE = -100
 CSV_FIELDS = ["step", "epoch", "split", "loss", "accuracy", "lr", "samples_per_s", "train_seconds"]
@@ -353,6 +361,10 @@ def train(
         progress: show a progress bar (default True).
         tensorboard: also write TensorBoard logs (default True).
         ctx: this process's place in a DDP run (default: :func:`init_distributed`).
+
+    ``train.stop_at_accuracy`` (optional, in (0, 1]; default: absent or null, never): end the
+    run early, as finished (test evaluation included), at the first validation whose accuracy
+    reaches it; the summary's ``step`` is then the step it stopped at and ``solved_at`` that step.
     """
     from tqdm import tqdm
 
@@ -383,6 +395,9 @@ def train(
     if tc.get("train_subset"):
         train_split = train_split.subset(int(tc["train_subset"]))
     per_epoch = len(train_split) // gb
+    target = tc.get("stop_at_accuracy")
+    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target <= 1):
+        raise ValueError(f"train.stop_at_accuracy must be a number in (0, 1] or null, got {target!r}")
 
     torch.manual_seed(int(tc["seed"]))
     model = build_model(config, meta_of(data), attention).to(ctx.device)
@@ -394,7 +409,7 @@ def train(
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, tc["schedule"], int(tc["warmup"]), steps))
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=tc.get("precision", "fp32") == "fp16")
-    step, best, train_seconds = 0, -1.0, 0.0
+    step, best, train_seconds, solved_at = 0, -1.0, 0.0, None
     if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
@@ -402,6 +417,8 @@ def train(
         scaler.load_state_dict(state["scaler"])
         step, best, train_seconds = state["step"], state["best_val"], state["train_seconds"]
         _set_rng_state(state["rng"])
+        if target is not None:  # a run that stopped early stays stopped
+            solved_at = state.get("solved_at")
     ddp = (
         torch.nn.parallel.DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
         if ctx.world > 1
@@ -426,6 +443,7 @@ def train(
                     "attention": attention,
                     "meta": meta_of(data),
                     "world_size": ctx.world,
+                    "solved_at": solved_at,
                 },
                 path,
             )
@@ -441,7 +459,7 @@ def train(
     started, stopped = time.perf_counter(), False
     window = {"loss": 0.0, "correct": 0.0, "count": 0.0, "samples": 0.0, "seconds": 0.0}
     model.train()
-    while step < steps:
+    while step < steps and solved_at is None:
         stop = (stop_after is not None and step >= stop_after) or (
             time_limit is not None and time.perf_counter() - started > time_limit
         )
@@ -503,20 +521,25 @@ def train(
             if res["accuracy"] > best:
                 best = res["accuracy"]
                 checkpoint(run_dir / BEST)
-        if step % int(tc["checkpoint_every"]) == 0 or step == steps:
+            if target is not None and res["accuracy"] >= target:
+                solved_at = step
+        if step % int(tc["checkpoint_every"]) == 0 or step == steps or solved_at is not None:
             checkpoint(run_dir / CHECKPOINT)
     bar.close()
     if stopped:
         checkpoint(run_dir / CHECKPOINT)
+    done = step >= steps or solved_at is not None
     summary: dict[str, Any] = {
         "step": step,
         "steps": steps,
-        "finished": step >= steps,
+        "finished": done,
         "attention": attention,
         "best_val_accuracy": best,
         "train_seconds": train_seconds,
     }
-    if step >= steps:
+    if solved_at is not None:
+        summary["solved_at"] = solved_at
+    if done:
         final = run_eval("test")
         summary.update(test_accuracy_last=final["accuracy"], test_samples_per_s=final["samples_per_s"])
         if (run_dir / BEST).exists():

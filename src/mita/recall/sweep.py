@@ -32,6 +32,7 @@ FIELDS = [
     "form",
     "seed",
     "steps",
+    "max_steps",
     "batch_size",
     "test_accuracy",
     "test_accuracy_best_val",
@@ -148,6 +149,7 @@ def run_cell(
         "form": spec.form,
         "seed": cell.seed,
         "steps": summary["step"],
+        "max_steps": summary["steps"],
         "batch_size": cfg["train"]["batch_size"],
         "test_accuracy": summary["test_accuracy_last"],
         "test_accuracy_best_val": summary.get("test_accuracy_best_val", ""),
@@ -244,7 +246,7 @@ def plot(out: str | Path, rows: list[dict[str, str]] | None = None) -> list[Path
 
 def table(rows: list[dict[str, str]]) -> str:
     """A Markdown table of ``rows``: one line per method, one column per (N, P) with the test
-    accuracy (%, mean over seeds), the runs' status and training seconds."""
+    accuracy (%, mean over seeds), the runs' status, steps taken and training seconds."""
     methods = list(dict.fromkeys(r["attention"] for r in rows))
     cols = sorted({(int(r["seq_len"]), int(r["num_pairs"])) for r in rows})
     cells: dict[tuple[str, int, int], list[dict[str, str]]] = {}
@@ -261,8 +263,9 @@ def table(rows: list[dict[str, str]]) -> str:
                 continue
             acc = 100 * sum(float(r["test_accuracy"]) for r in runs) / len(runs)
             secs = sum(float(r["train_seconds"]) for r in runs) / len(runs)
+            steps = sum(int(r["steps"]) for r in runs) / len(runs)
             status = "/".join(sorted({r["status"] for r in runs}))
-            out.append(f"{acc:.1f}% ({status}, {secs:.0f} s)")
+            out.append(f"{acc:.1f}% ({status}, {steps:.0f} steps, {secs:.0f} s)")
         lines.append(f"| `{m}` | " + " | ".join(out) + " |")
     return "\n".join(lines)
 
