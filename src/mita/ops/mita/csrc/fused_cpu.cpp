@@ -20,7 +20,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <numeric>
+#include <type_traits>
 #include <vector>
 
 extern "C" {
@@ -70,37 +73,34 @@ inline Vectorized<T> vexp(const Vectorized<T>& x) {
 }
 
 template <typename T>
-T row_max(const T* x, int64_t n) {
+T row_max(const T* x, int64_t n) {  // NaN propagates; the tail is one partial vector (rows are short)
   using V = Vectorized<T>;
-  T mx = -std::numeric_limits<T>::infinity();
+  const V ninf(-std::numeric_limits<T>::infinity());
+  V vm = ninf;
   int64_t j = 0;
-  if (n >= V::size()) {
-    V vm = V::loadu(x);
-    for (j = V::size(); j + V::size() <= n; j += V::size()) vm = at::vec::maximum(vm, V::loadu(x + j));
-    mx = at::vec::vec_reduce_all<T>([](V& p, V& q) { return at::vec::maximum(p, q); }, vm);
-  }
-  for (; j < n; ++j) mx = (std::isnan(x[j]) || x[j] > mx) ? x[j] : mx;
-  return mx;
+  for (; j + V::size() <= n; j += V::size()) vm = at::vec::maximum(vm, V::loadu(x + j));
+  if (j < n) vm = at::vec::maximum(vm, V::set(ninf, V::loadu(x + j, n - j), n - j));
+  return at::vec::vec_reduce_all<T>([](V& p, V& q) { return at::vec::maximum(p, q); }, vm);
 }
 
 // x <- exp(a * x - mx) in place; returns the sum.
 template <typename T>
 T exp_sum(T* x, int64_t n, T a, T mx) {
   using V = Vectorized<T>;
-  const V va(a), vm(mx);
-  V vs(T(0));
+  const V va(a), vm(mx), zero(T(0));
+  V vs = zero;
   int64_t j = 0;
   for (; j + V::size() <= n; j += V::size()) {
     V e = vexp(V::loadu(x + j) * va - vm);
     e.store(x + j);
     vs = vs + e;
   }
-  T sum = at::vec::vec_reduce_all<T>([](V& p, V& q) { return p + q; }, vs);
-  for (; j < n; ++j) {
-    x[j] = std::exp(a * x[j] - mx);
-    sum += x[j];
+  if (j < n) {
+    const V e = V::set(zero, vexp(V::loadu(x + j, n - j) * va - vm), n - j);
+    e.store(x + j, n - j);
+    vs = vs + e;
   }
-  return sum;
+  return at::vec::vec_reduce_all<T>([](V& p, V& q) { return p + q; }, vs);
 }
 
 template <typename T>
@@ -119,61 +119,129 @@ std::pair<T, T> exp_row(T* x, int64_t n, T a) {
   return {exp_sum(x, n, a, mx), mx};
 }
 
-// Top-k of one row, streamed block by block: a min-heap of the k best (score, index) so far.
-// "Worse" = lower score, or equal score and higher index, so ties keep the lower index.
+// A signed integer key with the order of the floating-point values (-0 as +0; NaN of either sign
+// at an end). The least key, INT_MIN, marks padded keys: real ones are clamped above it.
+inline int32_t order_key(float f) {
+  f += 0.0f;  // -0 + 0 = +0: equal scores must tie, as in torch.topk
+  int32_t i;
+  std::memcpy(&i, &f, sizeof i);
+  return std::max(i >= 0 ? i : i ^ 0x7fffffff, std::numeric_limits<int32_t>::min() + 1);
+}
+inline int64_t order_key(double f) {
+  f += 0.0;
+  int64_t i;
+  std::memcpy(&i, &f, sizeof i);
+  return std::max(i >= 0 ? i : i ^ 0x7fffffffffffffff, std::numeric_limits<int64_t>::min() + 1);
+}
+
+// Top-k of one row, streamed block by block, by threshold selection: a block's keys above the
+// current k-th best join a candidate buffer, which is cut back to its k best when the next
+// block might not fit (and at the end). The cut finds the k-th largest key by bisection on
+// its bits, each step one vectorised count, so a row costs a few passes over its keys and
+// no unpredictable branches. Ties keep the lower index (candidates stay in index order).
 template <typename T>
 struct TopK {
-  T* score;
-  int64_t* index;
-  int64_t size = 0, cap = 0;
+  using S = std::conditional_t<std::is_same_v<T, float>, int32_t, int64_t>;
+  using U = std::make_unsigned_t<S>;
+  static constexpr S kPadded = std::numeric_limits<S>::min();
+  S* key;          // cap candidates' keys, in index order (and room to pad to whole vectors)
+  int32_t* index;  // and their key indices
+  int64_t k = 0, cap = 0, size = 0;
+  S floor = kPadded;  // a candidate needs a key above it
 
-  static bool worse(T s1, int64_t i1, T s2, int64_t i2) { return s1 < s2 || (s1 == s2 && i1 > i2); }
-
-  void sift_down(int64_t p) {
-    while (true) {
-      int64_t c = 2 * p + 1, w = p;
-      if (c < size && worse(score[c], index[c], score[w], index[w])) w = c;
-      if (c + 1 < size && worse(score[c + 1], index[c + 1], score[w], index[w])) w = c + 1;
-      if (w == p) return;
-      std::swap(score[p], score[w]);
-      std::swap(index[p], index[w]);
-      p = w;
-    }
-  }
-
-  void push(T s, int64_t i) {  // while filling: append and sift up
-    int64_t c = size++;
-    score[c] = s;
-    index[c] = i;
-    while (c > 0) {
-      int64_t p = (c - 1) / 2;
-      if (!worse(score[c], index[c], score[p], index[p])) break;
-      std::swap(score[c], score[p]);
-      std::swap(index[c], index[p]);
-      c = p;
-    }
+  // n rounded up to whole vectors: the key buffer holds cap + one vector.
+  static int64_t pad(int64_t n) {
+    constexpr int64_t w = Vectorized<S>::size();
+    return (n + w - 1) / w * w;
   }
 
   // Offer keys j0 .. j0+n-1 with scores x; `real` (or null) marks the keys that take part.
-  void offer(const T* x, int64_t n, int64_t j0, const bool* real) {
-    int64_t j = 0;
-    for (; j < n && size < cap; ++j)
-      if (!real || real[j]) push(x[j], j0 + j);
-    for (; j < n; ++j) {
-      if (x[j] > score[0] && (!real || real[j])) {  // keys come in index order: an equal score loses
-        score[0] = x[j];
-        index[0] = j0 + j;
-        sift_down(0);
+  // `scratch` holds n keys.
+  void offer(const T* x, int64_t n, int64_t j0, const bool* real, S* scratch) {
+    if (size + n > cap) cut();
+    for (int64_t j = 0; j < n; ++j) scratch[j] = order_key(x[j]);
+    if (real)
+      for (int64_t j = 0; j < n; ++j) scratch[j] = real[j] ? scratch[j] : kPadded;
+    constexpr int64_t W = 16;
+    S* const kp = key;
+    int32_t* const ip = index;
+    const S lo = floor;
+    int64_t sz = size;
+    for (int64_t c = 0; c < n; c += W) {
+      const int64_t e = std::min(n, c + W);
+      S top = kPadded;
+      for (int64_t j = c; j < e; ++j) top = std::max(top, scratch[j]);
+      if (top <= lo) continue;  // the common case once the buffer holds good keys
+      for (int64_t j = c; j < e; ++j) {
+        kp[sz] = scratch[j];
+        ip[sz] = static_cast<int32_t>(j0 + j);
+        sz += scratch[j] > lo;
       }
     }
+    size = sz;
   }
 
-  // Best first, like torch.topk(sorted=True).
+  // How many of the n keys are >= t; kp holds padded keys up to a whole number of vectors.
+  static int64_t count_at_least(const S* kp, int64_t n, S t) {
+    using V = Vectorized<S>;
+    const V vt(t);
+    V acc(S(0));
+    for (int64_t i = 0; i < n; i += V::size()) acc = acc - (V::loadu(kp + i) >= vt);  // true lanes are -1
+    S lanes[V::size()];
+    acc.store(lanes);
+    return std::accumulate(lanes, lanes + V::size(), int64_t(0));
+  }
+
+  // Keep the k best candidates, in index order; `floor` becomes the least kept key.
+  void cut() {
+    if (size <= k) return;
+    S* const kp = key;
+    int32_t* const ip = index;
+    const int64_t n = size;
+    std::fill(kp + n, kp + pad(n), kPadded);
+    // The k-th largest key, bit by bit from the top in the unsigned order (u = key ^ min).
+    U tau = 0;
+    for (int bit = 8 * sizeof(U) - 1; bit >= 0; --bit) {
+      const U t = tau | (U(1) << bit);
+      const int64_t c = count_at_least(kp, n, static_cast<S>(t ^ U(kPadded)));
+      if (c >= k) {
+        tau = t;
+        if (c == k) break;  // exactly k keys >= t: they are the k best
+      }
+    }
+    const S th = static_cast<S>(tau ^ U(kPadded));
+    int64_t ties = k - (count_at_least(kp, n, th) - std::count(kp, kp + n, th)), kept = 0;
+    S least = std::numeric_limits<S>::max();
+    for (int64_t i = 0; i < n; ++i) {  // branch-free: which candidates survive is data-dependent
+      const S u = kp[i];
+      const bool tie = u == th, keep = u > th || (tie && ties > 0);
+      ties -= tie & keep;
+      kp[kept] = u;
+      ip[kept] = ip[i];
+      kept += keep;
+      least = keep ? std::min(least, u) : least;
+    }
+    size = kept;
+    floor = least;
+  }
+
+  // The kept key indices, best first (like torch.topk(sorted=True)), into out: an insertion
+  // sort, k being small next to the row.
   void sorted_indices(int64_t* out) {
-    std::vector<std::pair<T, int64_t>> v(size);
-    for (int64_t i = 0; i < size; ++i) v[i] = {score[i], index[i]};
-    std::sort(v.begin(), v.end(), [](const auto& p, const auto& q) { return worse(q.first, q.second, p.first, p.second); });
-    for (int64_t i = 0; i < size; ++i) out[i] = v[i].second;
+    cut();
+    const auto before = [](S a, int32_t i, S b, int32_t j) { return a > b || (a == b && i < j); };
+    for (int64_t i = 1; i < size; ++i) {
+      const S u = key[i];
+      const int32_t t = index[i];
+      int64_t j = i;
+      for (; j > 0 && before(u, t, key[j - 1], index[j - 1]); --j) {
+        key[j] = key[j - 1];
+        index[j] = index[j - 1];
+      }
+      key[j] = u;
+      index[j] = t;
+    }
+    for (int64_t i = 0; i < size; ++i) out[i] = index[i];
   }
 };
 
@@ -193,202 +261,210 @@ void group_by_expert(const int64_t* routes, const bool* qm, int64_t Nq, int64_t 
       for (int64_t j = 0; j < s; ++j) members[fill[routes[t * s + j]]++] = t * s + j;
 }
 
-constexpr int64_t kKeyBlock = 512, kQueryBlock = 256;  // measured best of 256-1024 / 64-512 at N = 16,384
-
+// out = a + log(sum), element-wise (the tail in one partial vector: experts hold few queries).
 template <typename T>
-void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lm,
-                  const bool* key_mask, const bool* query_mask, int64_t topk, int64_t s, double scale_,
-                  double landmark_scale_, at::Tensor& out, at::Tensor& experts, at::Tensor& routes,
-                  at::Tensor& v_shared, at::Tensor& lse_a, at::Tensor& lse_t) {
-  const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), Nk = k.size(2), m = lm.size(2), G = H / Hkv, X = B * H;
-  const T scale = static_cast<T>(scale_), lscale = static_cast<T>(landmark_scale_);
-  const T* Q = q.data_ptr<T>();
-  const T* K = k.data_ptr<T>();
-  const T* Vv = v.data_ptr<T>();
-  const T* L = lm.data_ptr<T>();
-  T* O = out.data_ptr<T>();
-  int64_t* E = experts.data_ptr<int64_t>();
-  int64_t* R = routes.data_ptr<int64_t>();
-  const auto kv_offset = [&](int64_t x) { return ((x / H) * Hkv + (x % H) / G) * Nk * D; };
-  std::vector<int64_t> n_real(B, Nk);
-  if (key_mask)
-    for (int64_t b = 0; b < B; ++b) n_real[b] = std::count(key_mask + b * Nk, key_mask + (b + 1) * Nk, true);
-  const auto opts = q.options();
-  at::Tensor lse_shared = at::empty({X, Nq}, opts);
-  T* VS = v_shared.data_ptr<T>();
-  T* LA = lse_a.data_ptr<T>();  // log-sum-exp of each landmark's row of s0*A
-  T* LT = lse_t.data_ptr<T>();  // log-sum-exp of each query's joint softmax (step 6)
-  T* LSE = lse_shared.data_ptr<T>();
-  const T ninf = -std::numeric_limits<T>::infinity();
+void log_add(const T* sum, const T* a, T* out, int64_t n) {
+  using V = Vectorized<T>;
+  for (int64_t i = 0; i < n; i += V::size()) {
+    const int64_t c = std::min<int64_t>(V::size(), n - i);
+    (V::loadu(a + i, c) + V::loadu(sum + i, c).log()).store(out + i, c);
+  }
+}
 
-  // A: shared-expert values and the experts' keys, per (head, block of landmark rows).
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>((at::get_num_threads() + X - 1) / X, m / 16));
-  const int64_t rows = (m + chunks - 1) / chunks;
-  at::parallel_for(0, X * chunks, 1, [&](int64_t begin, int64_t end) {
-    const SingleThreadedBlas blas;
-    std::vector<T> S(rows * kKeyBlock), mx(rows), sum(rows), hs(rows * topk);
-    std::vector<int64_t> hi(rows * topk);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t x = item / chunks, r0 = (item % chunks) * rows, nr = std::min(rows, m - r0);
-      if (nr <= 0) continue;
-      const int64_t b = x / H, kk = std::min(topk, n_real[b]);
-      const T* Lx = L + (x * m + r0) * D;
-      const T* Kx = K + kv_offset(x);
-      const T* Vx = Vv + kv_offset(x);
-      const bool* km = key_mask ? key_mask + b * Nk : nullptr;
-      T* acc = VS + (x * m + r0) * D;
-      std::fill(acc, acc + nr * D, T(0));
-      std::fill(mx.begin(), mx.end(), ninf);
-      std::fill(sum.begin(), sum.end(), T(0));
-      std::vector<TopK<T>> heaps(nr);
-      for (int64_t r = 0; r < nr; ++r) heaps[r] = {hs.data() + r * topk, hi.data() + r * topk, 0, kk};
-      for (int64_t j0 = 0; j0 < Nk; j0 += kKeyBlock) {
-        const int64_t nb = std::min(kKeyBlock, Nk - j0);
-        gemm<T>(false, true, nr, nb, D, T(1), Lx, D, Kx + j0 * D, D, T(0), S.data(), nb);
-        for (int64_t r = 0; r < nr; ++r) {
-          T* row = S.data() + r * nb;
-          heaps[r].offer(row, nb, j0, km ? km + j0 : nullptr);
-          if (!(scale > T(0))) scale_row(row, nb, scale);
-          const T a = scale > T(0) ? scale : T(1);
-          if (km)
-            for (int64_t j = 0; j < nb; ++j)
-              if (!km[j0 + j]) row[j] = ninf;
-          const T nm = std::max(mx[r], a * row_max(row, nb));
-          if (nm == ninf) {  // every key so far padded
-            std::fill(row, row + nb, T(0));
-            continue;
-          }
-          const T alpha = mx[r] == ninf ? T(0) : std::exp(mx[r] - nm);
-          sum[r] = sum[r] * alpha + exp_sum(row, nb, a, nm);
-          if (alpha != T(1)) scale_row(acc + r * D, D, alpha);
-          mx[r] = nm;
-        }
-        gemm<T>(false, false, nr, D, nb, T(1), S.data(), nb, Vx + j0 * D, D, T(1), acc, D);
-      }
+// Two partial softmaxes with log-sum-exps a (shared) and c (routed): w = sigmoid(c - a), the
+// routed one's share, and a <- logaddexp(a, c), the joint log-sum-exp; element-wise.
+template <typename T>
+void sigmoid_logaddexp(const T* c, T* a, T* w, int64_t n) {
+  using V = Vectorized<T>;
+  const V one(T(1));
+  for (int64_t i = 0; i < n; i += V::size()) {
+    const int64_t m = std::min<int64_t>(V::size(), n - i);
+    const V va = V::loadu(a + i, m), vc = V::loadu(c + i, m), d = va - vc;
+    (one / (one + d.exp())).store(w + i, m);
+    (at::vec::maximum(va, vc) + (-d.abs()).exp().log1p()).store(a + i, m);
+  }
+}
+
+constexpr int64_t kKeyBlock = 512, kQueryBlock = 256;  // measured best of 256-1024 / 64-512 at N = 16,384
+// A head whose q, k and v fit in this many bytes (about L2) runs all its phases in one task, so
+// small heads (vision sizes) pay no per-phase scheduling and meet their data in cache; larger
+// heads split each phase across the threads.
+constexpr int64_t kSmallHead = int64_t(1) << 20;
+
+// The forward of one call: the phases of the header as functions of (head, block), scheduled by
+// forward_impl either head by head (small heads) or phase by phase (large ones).
+template <typename T>
+struct Forward {
+  using Key = typename TopK<T>::S;
+  int64_t H, Nq, D, Hkv, Nk, m, G, topk, s;
+  T scale, lscale;
+  const T *Q, *K, *Vv, *L;
+  const bool *key_mask, *query_mask;
+  T *O, *VS, *LA, *LT, *LSE, *RO, *RL;
+  int64_t *E, *R, *start, *members;
+  std::vector<int64_t> n_real;
+
+  // One thread's buffers, sized for phase A on up to `rows` landmark rows.
+  struct Scratch {
+    std::vector<T> S, mx, sum, Gt, Ke, Ve, Qb, Sb, Ob, lse, a, w;
+    std::vector<Key> keys, block_keys;
+    std::vector<int32_t> index;
+    std::vector<int64_t> order;
+    Scratch(const Forward& f, int64_t rows)
+        : S(rows * kKeyBlock), mx(rows), sum(rows), Gt(kQueryBlock * f.m), Ke(f.topk * f.D), Ve(f.topk * f.D),
+          Qb(kQueryBlock * f.D), Sb(kQueryBlock * std::max(f.topk, f.m)), Ob(kQueryBlock * f.D), lse(kQueryBlock),
+          a(kQueryBlock), w(kQueryBlock), keys(rows * (f.topk + kKeyBlock + 2 * Vectorized<Key>::size())),
+          block_keys(kKeyBlock), index(rows * (f.topk + kKeyBlock + 2 * Vectorized<Key>::size())), order(f.m) {}
+  };
+
+  int64_t kv_offset(int64_t x) const { return ((x / H) * Hkv + (x % H) / G) * Nk * D; }
+
+  // A: shared-expert values and the experts' keys of landmark rows r0 .. r0+nr of head x.
+  void experts(int64_t x, int64_t r0, int64_t nr, Scratch& sc) const {
+    const T ninf = -std::numeric_limits<T>::infinity();
+    const int64_t kk = std::min(topk, n_real[x / H]);
+    const T* Lx = L + (x * m + r0) * D;
+    const T* Kx = K + kv_offset(x);
+    const T* Vx = Vv + kv_offset(x);
+    const bool* km = key_mask ? key_mask + (x / H) * Nk : nullptr;
+    T* acc = VS + (x * m + r0) * D;
+    std::fill(acc, acc + nr * D, T(0));
+    std::fill(sc.mx.begin(), sc.mx.begin() + nr, ninf);
+    std::fill(sc.sum.begin(), sc.sum.begin() + nr, T(0));
+    const int64_t cap = topk + kKeyBlock, stride = TopK<T>::pad(cap) + Vectorized<Key>::size();
+    std::vector<TopK<T>> best(nr);
+    for (int64_t r = 0; r < nr; ++r) best[r] = {sc.keys.data() + r * stride, sc.index.data() + r * stride, kk, cap};
+    T* S = sc.S.data();
+    for (int64_t j0 = 0; j0 < Nk; j0 += kKeyBlock) {
+      const int64_t nb = std::min(kKeyBlock, Nk - j0);
+      gemm<T>(false, true, nr, nb, D, T(1), Lx, D, Kx + j0 * D, D, T(0), S, nb);
       for (int64_t r = 0; r < nr; ++r) {
-        scale_row(acc + r * D, D, T(1) / sum[r]);
-        LA[x * m + r0 + r] = mx[r] + std::log(sum[r]);
-        int64_t* e = E + (x * m + r0 + r) * topk;
-        heaps[r].sorted_indices(e);
-        for (int64_t i = kk, j = 0; i < topk; ++i, ++j) {  // a short sequence: padded keys, in order
-          while (km[j]) ++j;
-          e[i] = j;
-        }
-      }
-    }
-  });
-
-  // B: gate, routes and the shared branch, per (head, block of queries).
-  const int64_t qblocks = (Nq + kQueryBlock - 1) / kQueryBlock;
-  at::parallel_for(0, X * qblocks, 1, [&](int64_t begin, int64_t end) {
-    const SingleThreadedBlas blas;
-    std::vector<T> Gt(kQueryBlock * m), g(m);
-    std::vector<int64_t> order(m);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t x = item / qblocks, t0 = (item % qblocks) * kQueryBlock, nq = std::min(kQueryBlock, Nq - t0);
-      const bool* qm = query_mask ? query_mask + (x / H) * Nq : nullptr;
-      gemm<T>(false, true, nq, m, D, T(1), Q + (x * Nq + t0) * D, D, L + x * m * D, D, T(0), Gt.data(), m);
-      for (int64_t i = 0; i < nq; ++i) {
-        const int64_t t = t0 + i;
-        T* row = Gt.data() + i * m;
-        int64_t* route = R + (x * Nq + t) * s;
-        if (qm && !qm[t]) {  // padded query: no routes of its own, zero output
-          for (int64_t j = 0; j < s; ++j) route[j] = j;
-          std::fill(row, row + m, T(0));
-          LSE[x * Nq + t] = ninf;
-          LT[x * Nq + t] = T(0);
+        T* row = S + r * nb;
+        best[r].offer(row, nb, j0, km ? km + j0 : nullptr, sc.block_keys.data());
+        if (!(scale > T(0))) scale_row(row, nb, scale);
+        const T a = scale > T(0) ? scale : T(1);
+        if (km)
+          for (int64_t j = 0; j < nb; ++j)
+            if (!km[j0 + j]) row[j] = ninf;
+        const T nm = std::max(sc.mx[r], a * row_max(row, nb));
+        if (nm == ninf) {  // every key so far padded
+          std::fill(row, row + nb, T(0));
           continue;
         }
-        if (s == 1) {
-          int64_t best = 0;
-          for (int64_t e = 1; e < m; ++e)
-            if (row[e] > row[best]) best = e;
-          route[0] = best;
-        } else {
-          for (int64_t e = 0; e < m; ++e) order[e] = e;
-          std::partial_sort(order.begin(), order.begin() + s, order.end(),
-                            [row](int64_t a, int64_t c) { return row[a] > row[c] || (row[a] == row[c] && a < c); });
-          std::copy(order.begin(), order.begin() + s, route);
-        }
-        const auto [sm, rm] = exp_row(row, m, lscale);
-        scale_row(row, m, T(1) / sm);
-        LSE[x * Nq + t] = rm + std::log(sm);
+        const T alpha = sc.mx[r] == ninf ? T(0) : std::exp(sc.mx[r] - nm);
+        sc.sum[r] = sc.sum[r] * alpha + exp_sum(row, nb, a, nm);
+        if (alpha != T(1)) scale_row(acc + r * D, D, alpha);
+        sc.mx[r] = nm;
       }
-      gemm<T>(false, false, nq, D, m, T(1), Gt.data(), m, VS + x * m * D, D, T(0), O + (x * Nq + t0) * D, D);
+      gemm<T>(false, false, nr, D, nb, T(1), S, nb, Vx + j0 * D, D, T(1), acc, D);
     }
-  });
-
-  // C: queries grouped by expert; each expert's keys attend its queries, merged into out.
-  at::Tensor count_t = at::empty({X, m + 1}, opts.dtype(at::kLong));
-  at::Tensor members_t = at::empty({X, Nq * s}, opts.dtype(at::kLong));
-  int64_t* start = count_t.data_ptr<int64_t>();
-  int64_t* members = members_t.data_ptr<int64_t>();
-  at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t x = begin; x < end; ++x)
-      group_by_expert(R + x * Nq * s, query_mask ? query_mask + (x / H) * Nq : nullptr, Nq, s, m,
-                      start + x * (m + 1), members + x * Nq * s);
-  });
-  at::Tensor routed_out, routed_lse;  // s > 1: each (query, route) result, merged after
-  if (s > 1) {
-    routed_out = at::empty({X, Nq * s, D}, opts);
-    routed_lse = at::empty({X, Nq * s}, opts);
+    for (int64_t r = 0; r < nr; ++r) {
+      scale_row(acc + r * D, D, T(1) / sc.sum[r]);
+      LA[x * m + r0 + r] = sc.mx[r] + std::log(sc.sum[r]);
+      int64_t* e = E + (x * m + r0 + r) * topk;
+      best[r].sorted_indices(e);
+      for (int64_t i = kk, j = 0; i < topk; ++i, ++j) {  // a short sequence: padded keys, in order
+        while (km[j]) ++j;
+        e[i] = j;
+      }
+    }
   }
-  at::parallel_for(0, X * m, 1, [&](int64_t begin, int64_t end) {
-    const SingleThreadedBlas blas;
-    std::vector<T> Ke(topk * D), Ve(topk * D), Qb(kQueryBlock * D), Sb(kQueryBlock * topk), Ob(kQueryBlock * D),
-        lse(kQueryBlock);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t x = item / m, e = item % m;
-      const int64_t* st = start + x * (m + 1);
-      const int64_t n_e = st[e + 1] - st[e];
-      if (n_e == 0) continue;
-      const int64_t kk = std::min(topk, n_real[x / H]);
-      const int64_t* keys = E + (x * m + e) * topk;
-      const T* Kx = K + kv_offset(x);
-      const T* Vx = Vv + kv_offset(x);
-      for (int64_t i = 0; i < kk; ++i) {
-        std::copy(Kx + keys[i] * D, Kx + (keys[i] + 1) * D, Ke.data() + i * D);
-        std::copy(Vx + keys[i] * D, Vx + (keys[i] + 1) * D, Ve.data() + i * D);
+
+  // B: gate, routes and the shared branch of queries t0 .. t0+nq of head x.
+  void gate(int64_t x, int64_t t0, int64_t nq, Scratch& sc) const {
+    const T ninf = -std::numeric_limits<T>::infinity();
+    const bool* qm = query_mask ? query_mask + (x / H) * Nq : nullptr;
+    T* Gt = sc.Gt.data();
+    gemm<T>(false, true, nq, m, D, T(1), Q + (x * Nq + t0) * D, D, L + x * m * D, D, T(0), Gt, m);
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t t = t0 + i;
+      T* row = Gt + i * m;
+      int64_t* route = R + (x * Nq + t) * s;
+      if (qm && !qm[t]) {  // padded query: no routes of its own, zero output
+        for (int64_t j = 0; j < s; ++j) route[j] = j;
+        std::fill(row, row + m, T(0));
+        sc.a[i] = ninf;
+        sc.w[i] = T(1);
+        LT[x * Nq + t] = T(0);
+        continue;
       }
-      const int64_t* mem = members + x * Nq * s + st[e];
-      for (int64_t i0 = 0; i0 < n_e; i0 += kQueryBlock) {
-        const int64_t nb = std::min(kQueryBlock, n_e - i0);
+      if (s == 1) {
+        int64_t best = 0;
+        for (int64_t e = 1; e < m; ++e)
+          if (row[e] > row[best]) best = e;
+        route[0] = best;
+      } else {
+        int64_t* order = sc.order.data();
+        for (int64_t e = 0; e < m; ++e) order[e] = e;
+        std::partial_sort(order, order + s, order + m,
+                          [row](int64_t a, int64_t c) { return row[a] > row[c] || (row[a] == row[c] && a < c); });
+        std::copy(order, order + s, route);
+      }
+      const auto [sm, rm] = exp_row(row, m, lscale);
+      scale_row(row, m, T(1) / sm);
+      sc.a[i] = rm;
+      sc.w[i] = sm;
+    }
+    log_add(sc.w.data(), sc.a.data(), LSE + x * Nq + t0, nq);  // lse = max + log(sum)
+    gemm<T>(false, false, nq, D, m, T(1), Gt, m, VS + x * m * D, D, T(0), O + (x * Nq + t0) * D, D);
+  }
+
+  // C: the routed expert e of head x attends its queries; merged into out (s = 1) or kept.
+  void routed(int64_t x, int64_t e, Scratch& sc) const {
+    const int64_t* st = start + x * (m + 1);
+    const int64_t n_e = st[e + 1] - st[e];
+    if (n_e == 0) return;
+    const int64_t kk = std::min(topk, n_real[x / H]);
+    const int64_t* keys = E + (x * m + e) * topk;
+    const T* Kx = K + kv_offset(x);
+    const T* Vx = Vv + kv_offset(x);
+    T *Ke = sc.Ke.data(), *Ve = sc.Ve.data(), *Qb = sc.Qb.data(), *Sb = sc.Sb.data(), *Ob = sc.Ob.data();
+    for (int64_t i = 0; i < kk; ++i) {
+      std::copy(Kx + keys[i] * D, Kx + (keys[i] + 1) * D, Ke + i * D);
+      std::copy(Vx + keys[i] * D, Vx + (keys[i] + 1) * D, Ve + i * D);
+    }
+    const int64_t* mem = members + x * Nq * s + st[e];
+    for (int64_t i0 = 0; i0 < n_e; i0 += kQueryBlock) {
+      const int64_t nb = std::min(kQueryBlock, n_e - i0);
+      for (int64_t i = 0; i < nb; ++i) {
+        const T* src = Q + (x * Nq + mem[i0 + i] / s) * D;
+        std::copy(src, src + D, Qb + i * D);
+      }
+      gemm<T>(false, true, nb, kk, D, T(1), Qb, D, Ke, D, T(0), Sb, kk);
+      for (int64_t i = 0; i < nb; ++i) {
+        T* row = Sb + i * kk;
+        const auto [sm, rm] = exp_row(row, kk, scale);
+        scale_row(row, kk, T(1) / sm);
+        sc.w[i] = sm;
+        sc.a[i] = rm;
+      }
+      log_add(sc.w.data(), sc.a.data(), sc.lse.data(), nb);
+      gemm<T>(false, false, nb, D, kk, T(1), Sb, kk, Ve, D, T(0), Ob, D);
+      if (s == 1) {  // out = lerp(out_shared, out_routed, sigmoid(lse_r - lse_shared)), lse_t = logaddexp
+        for (int64_t i = 0; i < nb; ++i) sc.a[i] = LSE[x * Nq + mem[i0 + i]];
+        sigmoid_logaddexp(sc.lse.data(), sc.a.data(), sc.w.data(), nb);  // w, and a <- lse_t
         for (int64_t i = 0; i < nb; ++i) {
-          const T* src = Q + (x * Nq + mem[i0 + i] / s) * D;
-          std::copy(src, src + D, Qb.data() + i * D);
+          const int64_t t = mem[i0 + i];
+          LT[x * Nq + t] = sc.a[i];
+          T* o = O + (x * Nq + t) * D;
+          const T* r = Ob + i * D;
+          const T wi = sc.w[i];
+          for (int64_t d = 0; d < D; ++d) o[d] += wi * (r[d] - o[d]);
         }
-        gemm<T>(false, true, nb, kk, D, T(1), Qb.data(), D, Ke.data(), D, T(0), Sb.data(), kk);
+      } else {
         for (int64_t i = 0; i < nb; ++i) {
-          T* row = Sb.data() + i * kk;
-          const auto [sm, rm] = exp_row(row, kk, scale);
-          scale_row(row, kk, T(1) / sm);
-          lse[i] = rm + std::log(sm);
-        }
-        gemm<T>(false, false, nb, D, kk, T(1), Sb.data(), kk, Ve.data(), D, T(0), Ob.data(), D);
-        for (int64_t i = 0; i < nb; ++i) {
-          const int64_t slot = mem[i0 + i], t = slot / s;
-          if (s == 1) {  // out = lerp(out_shared, out_routed, sigmoid(lse_r - lse_shared))
-            const T a = LSE[x * Nq + t], c = lse[i], w = T(1) / (T(1) + std::exp(a - c));
-            LT[x * Nq + t] = std::max(a, c) + std::log1p(std::exp(-std::abs(a - c)));
-            T* o = O + (x * Nq + t) * D;
-            const T* r = Ob.data() + i * D;
-            for (int64_t d = 0; d < D; ++d) o[d] += w * (r[d] - o[d]);
-          } else {
-            std::copy(Ob.data() + i * D, Ob.data() + (i + 1) * D, routed_out.data_ptr<T>() + (x * Nq * s + slot) * D);
-            routed_lse.data_ptr<T>()[x * Nq * s + slot] = lse[i];
-          }
+          const int64_t slot = mem[i0 + i];
+          std::copy(Ob + i * D, Ob + (i + 1) * D, RO + (x * Nq * s + slot) * D);
+          RL[x * Nq * s + slot] = sc.lse[i];
         }
       }
     }
-  });
-  if (s == 1) return;
-  // Merge for s > 1: weights softmax([lse_shared, lse_r1 .. lse_rs]).
-  const T* RO = routed_out.data_ptr<T>();
-  const T* RL = routed_lse.data_ptr<T>();
-  at::parallel_for(0, X * Nq, 256, [&](int64_t begin, int64_t end) {
+  }
+
+  // s > 1: out and lse_t of queries xt0 .. xt1 (flat over heads) from softmax([lse_shared, lse_r1 .. lse_rs]).
+  void merge(int64_t xt0, int64_t xt1) const {
     std::vector<T> w(s + 1);
-    for (int64_t xt = begin; xt < end; ++xt) {
+    for (int64_t xt = xt0; xt < xt1; ++xt) {
       if (query_mask && !query_mask[(xt / (H * Nq)) * Nq + xt % Nq]) continue;
       w[0] = LSE[xt];
       std::copy(RL + xt * s, RL + (xt + 1) * s, w.begin() + 1);
@@ -403,7 +479,86 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         o[d] = a / ws;
       }
     }
+  }
+
+  void group(int64_t x) const {
+    group_by_expert(R + x * Nq * s, query_mask ? query_mask + (x / H) * Nq : nullptr, Nq, s, m, start + x * (m + 1),
+                    members + x * Nq * s);
+  }
+
+  // Every phase of head x, in turn.
+  void head(int64_t x, Scratch& sc) const {
+    experts(x, 0, m, sc);
+    for (int64_t t0 = 0; t0 < Nq; t0 += kQueryBlock) gate(x, t0, std::min(kQueryBlock, Nq - t0), sc);
+    group(x);
+    for (int64_t e = 0; e < m; ++e) routed(x, e, sc);
+    if (s > 1) merge(x * Nq, (x + 1) * Nq);
+  }
+};
+
+template <typename T>
+void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lm,
+                  const bool* key_mask, const bool* query_mask, int64_t topk, int64_t s, double scale_,
+                  double landmark_scale_, at::Tensor& out, at::Tensor& experts, at::Tensor& routes,
+                  at::Tensor& v_shared, at::Tensor& lse_a, at::Tensor& lse_t) {
+  const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), Nk = k.size(2), m = lm.size(2), X = B * H;
+  const auto opts = q.options();
+  at::Tensor lse_shared = at::empty({X, Nq}, opts);
+  at::Tensor count_t = at::empty({X, m + 1}, opts.dtype(at::kLong));
+  at::Tensor members_t = at::empty({X, Nq * s}, opts.dtype(at::kLong));
+  at::Tensor routed_out, routed_lse;  // s > 1: each (query, route) result, merged after
+  if (s > 1) {
+    routed_out = at::empty({X, Nq * s, D}, opts);
+    routed_lse = at::empty({X, Nq * s}, opts);
+  }
+  Forward<T> f{H, Nq, D, Hkv, Nk, m, H / Hkv, topk, s, static_cast<T>(scale_), static_cast<T>(landmark_scale_),
+               q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), lm.data_ptr<T>(), key_mask, query_mask,
+               out.data_ptr<T>(), v_shared.data_ptr<T>(), lse_a.data_ptr<T>(), lse_t.data_ptr<T>(),
+               lse_shared.data_ptr<T>(), s > 1 ? routed_out.data_ptr<T>() : nullptr,
+               s > 1 ? routed_lse.data_ptr<T>() : nullptr, experts.data_ptr<int64_t>(), routes.data_ptr<int64_t>(),
+               count_t.data_ptr<int64_t>(), members_t.data_ptr<int64_t>(), std::vector<int64_t>(B, Nk)};
+  if (key_mask)
+    for (int64_t b = 0; b < B; ++b) f.n_real[b] = std::count(key_mask + b * Nk, key_mask + (b + 1) * Nk, true);
+
+  const int64_t threads = at::get_num_threads();
+  if ((Nq + 2 * Nk) * D * int64_t(sizeof(T)) <= kSmallHead && X >= threads) {
+    at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
+      const SingleThreadedBlas blas;
+      typename Forward<T>::Scratch sc(f, m);
+      for (int64_t x = begin; x < end; ++x) f.head(x, sc);
+    });
+    return;
+  }
+  // Large heads: each phase split across the threads (landmark rows, query blocks, experts).
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>((threads + X - 1) / X, m / 16));
+  const int64_t rows = (m + chunks - 1) / chunks;
+  at::parallel_for(0, X * chunks, 1, [&](int64_t begin, int64_t end) {
+    const SingleThreadedBlas blas;
+    typename Forward<T>::Scratch sc(f, rows);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t x = item / chunks, r0 = (item % chunks) * rows, nr = std::min(rows, m - r0);
+      if (nr > 0) f.experts(x, r0, nr, sc);
+    }
   });
+  const int64_t qblocks = (Nq + kQueryBlock - 1) / kQueryBlock;
+  at::parallel_for(0, X * qblocks, 1, [&](int64_t begin, int64_t end) {
+    const SingleThreadedBlas blas;
+    typename Forward<T>::Scratch sc(f, 1);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t x = item / qblocks, t0 = (item % qblocks) * kQueryBlock;
+      f.gate(x, t0, std::min(kQueryBlock, Nq - t0), sc);
+    }
+  });
+  at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t x = begin; x < end; ++x) f.group(x);
+  });
+  at::parallel_for(0, X * m, 1, [&](int64_t begin, int64_t end) {
+    const SingleThreadedBlas blas;
+    typename Forward<T>::Scratch sc(f, 1);
+    for (int64_t item = begin; item < end; ++item) f.routed(item / m, item % m, sc);
+  });
+  if (s > 1) at::parallel_for(0, X * Nq, 256, [&](int64_t begin, int64_t end) { f.merge(begin, end); });
 }
 
 // Backward of the joint softmax of step 6 and of V~ = softmax(s0 L K^T) V, per head x (one
@@ -573,6 +728,8 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   check_inputs(q, k, v, landmarks);
   const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3), m = landmarks.size(2);
   const bool *km = mask_data(key_mask, B, k.size(2), "key_mask"), *qm = mask_data(query_mask, B, Nq, "query_mask");
+  TORCH_CHECK(k.size(2) < std::numeric_limits<int32_t>::max(), "mita fused: at most 2^31 - 2 keys, got Nk = ",
+              k.size(2));
   TORCH_CHECK(topk >= 1 && topk <= k.size(2) && num_routed >= 1 && num_routed <= m,
               "mita fused: topk must be in [1, Nk = ", k.size(2), "] and num_routed in [1, m = ", m, "], got topk = ",
               topk, ", num_routed = ", num_routed);
