@@ -213,11 +213,69 @@ def test_double_backward_matches_reference() -> None:
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-10, atol=1e-10)
 
 
-def test_gradgradcheck() -> None:
-    case = Case(B=1, H=2, Hkv=1, N=12, D=4, m=3, k=4, s=2, mask=True)
-    q, k, v, mask = case.inputs()
-    fn = lambda q, k, v: mita_attention(q, k, v, **case.kwargs(mask), impl="fused")  # noqa: E731
+@pytest.mark.parametrize("mask", [True, False], ids=["pooled-outside", "pooled-in-kernel"])
+def test_gradgradcheck(mask: bool) -> None:
+    case = Case(B=1, H=2, Hkv=1, N=12, D=4, m=3, k=4, s=2, mask=mask)
+    q, k, v, key_mask = case.inputs()
+    fn = lambda q, k, v: mita_attention(q, k, v, **case.kwargs(key_mask), impl="fused")  # noqa: E731
     assert torch.autograd.gradgradcheck(fn, [t.requires_grad_() for t in (q, k, v)])
+
+
+POOLED = [
+    Case(B=2, H=3, N=50, D=8, m=(2, 3), k=9, s=2, grid=(7, 7), prefix=1),
+    Case(B=1, H=2, Hkv=1, N=41, D=8, m=6, k=5, prefix=2),
+    Case(B=2, H=2, N=20, Nk=33, D=8, m=4, k=6),
+]
+
+
+@pytest.mark.parametrize("case", POOLED, ids=[str(c) for c in POOLED])
+def test_landmarks_pooled_in_the_kernel_carry_their_gradient(case: Case) -> None:
+    """Unmasked calls pool in the kernel (and unpool in its backward): the landmarks returned in the
+    routing are the reference's, and a loss on them reaches q exactly as through the reference."""
+    q, k, v, _ = case.inputs()
+    results = []
+    for impl in ("fused", "reference"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, r = mita_attention(*leaves, **case.kwargs(None), impl=impl, return_routing=True)
+        loss = (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum() + r.landmarks.pow(2).sum()
+        results.append((out, r.landmarks, *torch.autograd.grad(loss, leaves)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_both_schedules_agree_with_the_reference() -> None:
+    """Small heads run head by head; with fewer heads than threads (or large heads) phase by phase."""
+    case = Case(B=1, H=1, N=197, D=16, m=(5, 5), k=25, s=2, grid=(14, 14), prefix=1)
+    q, k, v, _ = case.inputs()
+    expected = mita_attention(q, k, v, **case.kwargs(None), impl="reference")
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):  # one head: head by head on one thread, phase by phase on two
+            torch.set_num_threads(n)
+            got = mita_attention(q, k, v, **case.kwargs(None), impl="fused")
+            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_top_k_ties_and_signed_zeros_keep_the_lower_index() -> None:
+    """Equal scores (+0 and -0 included) go to the lower key index (a stable sort's order; torch.topk
+    leaves ties unordered); past the key block (512) the candidate buffer is cut many times
+    (scores rising along the keys)."""
+    B, H, N, D = 1, 1, 1200, 2
+    k = torch.zeros(B, H, N, D, dtype=torch.float64)
+    k[..., 0] = torch.arange(N, dtype=torch.float64).remainder(7)  # many ties
+    k[..., 1] = torch.arange(N, dtype=torch.float64) / N  # rising: each block replaces the best
+    landmarks = torch.tensor([[[[1.0, 0.0], [0.0, 1.0], [-0.0, 0.0]]]], dtype=torch.float64)
+    q, v = torch.randn(B, H, N, D, dtype=torch.float64), torch.randn(B, H, N, D, dtype=torch.float64)
+    for topk in (1, 30, 600):
+        _, r = mita_attention(
+            q, k, v, num_landmarks=3, topk=topk, landmarks=landmarks, impl="fused", return_routing=True
+        )
+        scores = landmarks @ k.transpose(-1, -2)
+        stable = scores.sort(dim=-1, descending=True, stable=True).indices[..., :topk]
+        assert torch.equal(r.experts, stable), topk
+        assert torch.equal(r.experts[0, 0, 2], torch.arange(topk))  # all +0 / -0: the first keys
 
 
 @pytest.mark.parametrize("dim", ["B", "H", "Hkv", "Nq", "Nk", "D", "m"])
@@ -241,7 +299,7 @@ def test_operator_schema_and_fake_kernel(kernel) -> None:
     checks = ("test_schema", "test_faketensor")
     args = (q, k, v, landmarks, mask, mask, 6, 2, 0.3, 0.2)
     torch.library.opcheck(torch.ops.mita.fused_forward.default, args, test_utils=checks)
-    out, experts, routes, *saved = torch.ops.mita.fused_forward(*args)
+    out, experts, routes, _, *saved = torch.ops.mita.fused_forward(*args)
     args = (torch.randn_like(q), q, k, v, landmarks, mask, mask, experts, routes, out, *saved, 0.3, 0.2)
     torch.library.opcheck(torch.ops.mita.fused_backward.default, args, test_utils=checks)
 
@@ -259,7 +317,7 @@ def test_traces_under_torch_compile() -> None:
 def test_backward_operator_rejects_bad_saved_tensors(kernel) -> None:
     q, k, v, _ = Case(B=1, H=2, N=30, D=8, m=3, k=4).inputs(dtype=torch.float32)
     landmarks = torch.randn(1, 2, 3, 8)
-    out, experts, routes, *saved = torch.ops.mita.fused_forward(q, k, v, landmarks, None, None, 4, 1, 0.3, 0.3)
+    out, experts, routes, _, *saved = torch.ops.mita.fused_forward(q, k, v, landmarks, None, None, 4, 1, 0.3, 0.3)
     args = [torch.randn_like(q), q, k, v, landmarks, None, None, experts, routes, out, *saved, 0.3, 0.3]
     with pytest.raises(RuntimeError, match="routes out of range"):
         torch.ops.mita.fused_backward(*args[:8], routes + 3, *args[9:])

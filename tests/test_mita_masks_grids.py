@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,7 @@ import torch
 from mita import MiTAAttention, attention, mita_attention
 from mita.ops.mita import fused
 from mita.ops.mita.config import check as mita_check
+from mita.ops.pooling import check_pooling, pool, pool_bins
 
 F64 = torch.float64
 IMPLS = ["reference", "grouped", "fused"]
@@ -164,6 +167,22 @@ def test_3d_pooling_is_adaptive_avg_pool3d() -> None:
     video = q[:, :, 1:].transpose(-1, -2).reshape(2, 8, 4, 6, 6)
     expected = torch.nn.functional.adaptive_avg_pool3d(video, (2, 3, 3)).reshape(1, 2, 8, 18).transpose(-1, -2)
     torch.testing.assert_close(routing.landmarks, expected)
+
+
+@pytest.mark.parametrize(
+    "m, grid, prefix, n",
+    [(5, None, 0, 63), (7, None, 2, 40), ((2, 3), (5, 7), 0, 35), (25, (14, 14), 1, 197), (8, (2, 4, 4), 1, 33)],
+)
+def test_pool_bins_are_the_adaptive_pooling_bins(m, grid, prefix, n) -> None:
+    """The bins the fused kernel pools by give pool()'s landmarks, every token in exactly one
+    bin per axis range, in row-major order."""
+    pooling = check_pooling(m, grid, prefix, n)
+    offsets, tokens = pool_bins(pooling, n)
+    assert offsets[0] == 0 and offsets[-1] == len(tokens) and len(offsets) == pooling.m + 1
+    assert bool((tokens >= prefix).all()) and bool((tokens < n).all()) and bool((offsets.diff() > 0).all())
+    x = rand(2, 3, n, 4)
+    by_bins = torch.stack([x[:, :, tokens[a:b]].mean(2) for a, b in itertools.pairwise(offsets)], 2)
+    torch.testing.assert_close(by_bins, pool(x, pooling), rtol=0, atol=1e-14)
 
 
 def test_3d_gradcheck_fused() -> None:

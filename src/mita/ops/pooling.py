@@ -10,6 +10,8 @@ path every op uses.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -122,6 +124,26 @@ def pooling_matrix(n: int, m: int, device: torch.device, dtype: torch.dtype) -> 
     t = torch.arange(n, device=device)
     w = ((t >= start[:, None]) & (t < end[:, None])).to(dtype)
     return w / (end - start).to(dtype)[:, None]
+
+
+@functools.lru_cache(maxsize=64)
+def pool_bins(pooling: Pooling, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unmasked pooling of a sequence of n tokens as bins, for kernels that pool themselves.
+
+    Returns (offsets, tokens), int64 CPU tensors: bin i (in the row-major order of the bins)
+    holds the token positions ``tokens[offsets[i]:offsets[i + 1]]`` (prefix tokens counted, so
+    positions index the whole sequence), in row-major order: the bins and order of
+    ``adaptive_avg_pool1d/2d/3d``. Cached per shape; callers must not modify them.
+    """
+    grid = pooling.grid or (n - pooling.num_prefix_tokens,)
+    edges = []
+    for g, s in zip(grid, pooling.shape):
+        i = torch.arange(s)
+        edges.append(list(zip(((i * g) // s).tolist(), (((i + 1) * g + s - 1) // s).tolist())))
+    position = torch.arange(math.prod(grid)).view(grid) + pooling.num_prefix_tokens
+    bins = [position[tuple(slice(a, b) for a, b in box)].flatten() for box in itertools.product(*edges)]
+    offsets = torch.tensor([0, *itertools.accumulate(len(b) for b in bins)])
+    return offsets, torch.cat(bins)
 
 
 def pool(x: torch.Tensor, pooling: Pooling, mask: torch.Tensor | None = None) -> torch.Tensor:

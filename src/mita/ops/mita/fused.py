@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ..pooling import pool
+from ..pooling import pool, pool_bins
 from ..tiling import zero_padding
 from .config import MiTAConfig
 from .grouped import mita_attention_grouped
@@ -177,14 +177,17 @@ def _build_and_load(build: Path, source: Path) -> None:
         print(f"mita: recompiled the fused CPU kernel (its build files had changed; in {build})", file=sys.stderr)
 
 
-def _fake_forward(q, k, v, landmarks, key_mask, query_mask, topk, num_routed, scale, landmark_scale):
+def _fake_forward(
+    q, k, v, landmarks, key_mask, query_mask, topk, num_routed, scale, landmark_scale, offsets=None, tokens=None
+):
     """Output shapes without computing, for tracing (``torch.compile``, FakeTensor)."""
     B, H, Nq, D = q.shape
-    m, long = landmarks.shape[2], torch.long
+    m, long = (landmarks.shape[2] if landmarks is not None else offsets.shape[0] - 1), torch.long
     return [
         q.new_empty(q.shape),
         q.new_empty(B, H, m, topk, dtype=long),
         q.new_empty(B, H, Nq, num_routed, dtype=long),
+        q.new_empty(B, H, m, D),
         q.new_empty(B, H, m, D),
         q.new_empty(B, H, m),
         q.new_empty(B, H, Nq),
@@ -197,35 +200,49 @@ def _fake_backward(dout, q, k, v, landmarks, *_):
 
 
 class _FusedMiTA(torch.autograd.Function):
-    """The kernel's forward and backward as one autograd node (experts and routes carry no gradient).
+    """The kernels' forward and backward as one autograd node (experts and routes carry no gradient).
 
-    The kernel's backward is not itself differentiable: when a graph of the gradient is
-    asked for (``create_graph=True``, double backward), the gradient is taken through the
-    grouped path instead, whose every step autograd can differentiate again.
+    Without given landmarks the kernel pools them from q itself (``bins``), in cache with the
+    rest of each head, and its backward adds their gradient into q's; the pooled landmarks are
+    an output that gradients may reach too. The kernel's backward is not itself differentiable:
+    when a graph of the gradient is asked for (``create_graph=True``, double backward), the
+    gradient is taken through the grouped path instead, whose every step autograd can
+    differentiate again.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, landmarks, cfg: MiTAConfig):
-        out, experts, routes, v_shared, lse_a, lse_t = torch.ops.mita.fused_forward(
-            q, k, v, landmarks, *_masks(cfg), cfg.topk, cfg.num_routed, cfg.scale, cfg.landmark_scale
+    def forward(ctx, q, k, v, landmarks, cfg: MiTAConfig, bins):
+        offsets, tokens = bins if landmarks is None else (None, None)
+        out, experts, routes, pooled, v_shared, lse_a, lse_t = torch.ops.mita.fused_forward(
+            q, k, v, landmarks, *_masks(cfg), cfg.topk, cfg.num_routed, cfg.scale, cfg.landmark_scale, offsets, tokens
         )
-        ctx.save_for_backward(q, k, v, landmarks, experts, routes, out, v_shared, lse_a, lse_t)
-        ctx.cfg = cfg
+        used = pooled if landmarks is None else landmarks  # the kernel's copy of given ones is no graph node
+        ctx.save_for_backward(q, k, v, used, experts, routes, out, v_shared, lse_a, lse_t)
+        ctx.cfg, ctx.bins = cfg, (offsets, tokens)
         ctx.mark_non_differentiable(experts, routes)
-        return out, experts, routes
+        ctx.set_materialize_grads(False)  # an unused pooled-landmarks output sends no zeros back
+        return out, pooled, experts, routes
 
     @staticmethod
-    def backward(ctx, dout, _experts, _routes):
+    def backward(ctx, dout, dpooled, _experts, _routes):
         q, k, v, landmarks, experts, routes, out, v_shared, lse_a, lse_t = ctx.saved_tensors
-        cfg = ctx.cfg
+        cfg, (offsets, tokens) = ctx.cfg, ctx.bins
+        pooled_here = offsets is not None
+        dout = torch.zeros_like(out) if dout is None else dout
+        dpooled = dpooled if pooled_here else None
         if torch.is_grad_enabled():  # double backward: differentiate a differentiable recomputation
             # Views: new graph nodes, so that each gradient is the partial derivative through its own
             # input (landmarks pooled from q must not add their path into q's gradient here).
             inputs = [t.view_as(t) for t in (q, k, v, landmarks)]
-            wanted = [t for t, needed in zip(inputs, ctx.needs_input_grad) if needed]
-            recomputed, _ = mita_attention_grouped(*inputs[:3], cfg, landmarks=inputs[3])
-            grads = iter(torch.autograd.grad(recomputed, wanted, dout, create_graph=True, allow_unused=True))
-            return *(next(grads) if needed else None for needed in ctx.needs_input_grad[:4]), None
+            needed = ctx.needs_input_grad[:4]
+            wanted = [t for t, n in zip(inputs, needed) if n]
+            given = None if pooled_here else inputs[3]
+            recomputed, (lm, _, _) = mita_attention_grouped(*inputs[:3], cfg, landmarks=given)
+            outputs, grads_out = [recomputed], [dout]
+            if pooled_here and dpooled is not None:
+                outputs, grads_out = [recomputed, lm], [dout, dpooled]
+            grads = iter(torch.autograd.grad(outputs, wanted, grads_out, create_graph=True, allow_unused=True))
+            return *(next(grads) if n else None for n in needed), None, None
         with torch.no_grad():
             grads = torch.ops.mita.fused_backward(
                 dout.contiguous(),
@@ -242,8 +259,12 @@ class _FusedMiTA(torch.autograd.Function):
                 lse_t,
                 cfg.scale,
                 cfg.landmark_scale,
+                offsets,
+                tokens,
+                None if dpooled is None else dpooled.contiguous(),
             )
-        return *grads, None
+        dq, dk, dv, dl = grads
+        return dq, dk, dv, None if pooled_here else dl, None, None
 
 
 def _masks(cfg: MiTAConfig) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -282,8 +303,14 @@ def mita_attention_fused(
     if not available():
         raise RuntimeError(f"impl='fused': the fused CPU kernel is not available: {unavailable_reason()}")
     q, k, v = zero_padding(q, k, v, cfg)  # padded tokens take no part anywhere
+    bins = None
     if landmarks is None:
-        landmarks = pool(q, cfg.pooling, cfg.query_mask)
+        if cfg.query_mask is None:  # the kernel pools, per head in cache
+            bins = pool_bins(cfg.pooling, q.shape[2])
+        else:
+            landmarks = pool(q, cfg.pooling, cfg.query_mask)
     compute = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
-    out, experts, routes = _FusedMiTA.apply(*(t.to(compute).contiguous() for t in (q, k, v, landmarks)), cfg)
-    return out.to(q.dtype), (landmarks, experts, routes)
+    q_, k_, v_ = (t.to(compute).contiguous() for t in (q, k, v))
+    given = None if landmarks is None else landmarks.to(compute).contiguous()
+    out, pooled, experts, routes = _FusedMiTA.apply(q_, k_, v_, given, cfg, bins)
+    return out.to(q.dtype), (pooled.to(q.dtype) if landmarks is None else landmarks, experts, routes)

@@ -285,6 +285,42 @@ void sigmoid_logaddexp(const T* c, T* a, T* w, int64_t n) {
   }
 }
 
+// Landmark pooling (step 1) as bins: bin i holds tokens[offsets[i] .. offsets[i + 1]), each bin
+// a mean of its tokens' rows (the adaptive-pooling bins, built once per shape in pooling.py).
+struct Bins {
+  const int64_t* offsets = nullptr;  // m + 1
+  const int64_t* tokens = nullptr;
+  explicit operator bool() const { return offsets != nullptr; }
+};
+
+// Lx[i] = mean of Qx[t] over the tokens t of bin i (summed in token order, then divided, as
+// adaptive_avg_pool does).
+template <typename T>
+void pool_head(const T* Qx, int64_t m, int64_t D, Bins bins, T* Lx) {
+  for (int64_t i = 0; i < m; ++i) {
+    T* l = Lx + i * D;
+    std::fill(l, l + D, T(0));
+    for (int64_t p = bins.offsets[i]; p < bins.offsets[i + 1]; ++p) {
+      const T* row = Qx + bins.tokens[p] * D;
+      for (int64_t d = 0; d < D; ++d) l[d] += row[d];
+    }
+    const T n = static_cast<T>(bins.offsets[i + 1] - bins.offsets[i]);
+    for (int64_t d = 0; d < D; ++d) l[d] /= n;
+  }
+}
+
+// The transpose of pool_head: dQx[t] += dLx[i] / |bin i| for the tokens t of bin i.
+template <typename T>
+void unpool_head(const T* dLx, int64_t m, int64_t D, Bins bins, T* dQx) {
+  for (int64_t i = 0; i < m; ++i) {
+    const T w = T(1) / static_cast<T>(bins.offsets[i + 1] - bins.offsets[i]);
+    for (int64_t p = bins.offsets[i]; p < bins.offsets[i + 1]; ++p) {
+      T* row = dQx + bins.tokens[p] * D;
+      for (int64_t d = 0; d < D; ++d) row[d] += w * dLx[i * D + d];
+    }
+  }
+}
+
 constexpr int64_t kKeyBlock = 512, kQueryBlock = 256;  // measured best of 256-1024 / 64-512 at N = 16,384
 // A head whose q, k and v fit in this many bytes (about L2) runs all its phases in one task, so
 // small heads (vision sizes) pay no per-phase scheduling and meet their data in cache; larger
@@ -298,7 +334,9 @@ struct Forward {
   using Key = typename TopK<T>::S;
   int64_t H, Nq, D, Hkv, Nk, m, G, topk, s;
   T scale, lscale;
-  const T *Q, *K, *Vv, *L;
+  const T *Q, *K, *Vv;
+  T* L;  // the landmarks: given, or pooled here from Q by `bins`
+  Bins bins;
   const bool *key_mask, *query_mask;
   T *O, *VS, *LA, *LT, *LSE, *RO, *RL;
   int64_t *E, *R, *start, *members;
@@ -486,8 +524,13 @@ struct Forward {
                     members + x * Nq * s);
   }
 
+  void pool(int64_t x) const {
+    if (bins) pool_head(Q + x * Nq * D, m, D, bins, L + x * m * D);
+  }
+
   // Every phase of head x, in turn.
   void head(int64_t x, Scratch& sc) const {
+    pool(x);
     experts(x, 0, m, sc);
     for (int64_t t0 = 0; t0 < Nq; t0 += kQueryBlock) gate(x, t0, std::min(kQueryBlock, Nq - t0), sc);
     group(x);
@@ -497,7 +540,7 @@ struct Forward {
 };
 
 template <typename T>
-void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lm,
+void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& lm, Bins bins,
                   const bool* key_mask, const bool* query_mask, int64_t topk, int64_t s, double scale_,
                   double landmark_scale_, at::Tensor& out, at::Tensor& experts, at::Tensor& routes,
                   at::Tensor& v_shared, at::Tensor& lse_a, at::Tensor& lse_t) {
@@ -513,7 +556,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     routed_lse = at::empty({X, Nq * s}, opts);
   }
   Forward<T> f{H, Nq, D, Hkv, Nk, m, H / Hkv, topk, s, static_cast<T>(scale_), static_cast<T>(landmark_scale_),
-               q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), lm.data_ptr<T>(), key_mask, query_mask,
+               q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), lm.data_ptr<T>(), bins, key_mask, query_mask,
                out.data_ptr<T>(), v_shared.data_ptr<T>(), lse_a.data_ptr<T>(), lse_t.data_ptr<T>(),
                lse_shared.data_ptr<T>(), s > 1 ? routed_out.data_ptr<T>() : nullptr,
                s > 1 ? routed_lse.data_ptr<T>() : nullptr, experts.data_ptr<int64_t>(), routes.data_ptr<int64_t>(),
@@ -531,6 +574,9 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     return;
   }
   // Large heads: each phase split across the threads (landmark rows, query blocks, experts).
+  if (bins) at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t x = begin; x < end; ++x) f.pool(x);
+    });
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>((threads + X - 1) / X, m / 16));
   const int64_t rows = (m + chunks - 1) / chunks;
   at::parallel_for(0, X * chunks, 1, [&](int64_t begin, int64_t end) {
@@ -569,7 +615,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
                    const at::Tensor& lm, const bool* key_mask, const bool* query_mask, const at::Tensor& experts,
                    const at::Tensor& routes, const at::Tensor& out, const at::Tensor& v_shared,
                    const at::Tensor& lse_a, const at::Tensor& lse_t, double scale_, double landmark_scale_,
-                   at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dl) {
+                   Bins bins, const at::Tensor* dl_extra, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                   at::Tensor& dl) {
   const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), Nk = k.size(2), m = lm.size(2), G = H / Hkv, X = B * H;
   const int64_t topk = experts.size(3), s = routes.size(3);
@@ -687,6 +734,15 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         gemm<T>(false, false, m, D, nb, T(1), dP.data(), nb, Kx + j0 * D, D, T(1), dLx, D);
         gemm<T>(true, false, nb, D, m, T(1), dP.data(), nb, Lx, D, T(1), dKx + j0 * D, D);
       }
+      if (bins) {  // landmarks pooled from q: their gradient (and any from outside) flows into dq
+        if (dl_extra) {
+          const T* extra = dl_extra->data_ptr<T>() + x * m * D;
+          for (int64_t i = 0; i < m * D; ++i) dvs[i] = dLx[i] + extra[i];
+          unpool_head(dvs.data(), m, D, bins, dQx);
+        } else {
+          unpool_head(dLx, m, D, bins, dQx);
+        }
+      }
     }
   });
 }
@@ -719,15 +775,39 @@ const bool* mask_data(const std::optional<at::Tensor>& mask, int64_t B, int64_t 
   return mask->data_ptr<bool>();
 }
 
-// Returns out, experts, routes, and for the backward: v~ (B, H, m, D), the log-sum-exps of
-// s0*A per landmark (B, H, m) and of each query's joint softmax (B, H, Nq).
+// The bins of pool_head, checked against Nq and m; empty without them.
+Bins bins_data(const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& tokens, int64_t Nq) {
+  TORCH_CHECK(offsets.has_value() == tokens.has_value(), "mita fused: pool_offsets and pool_tokens go together");
+  if (!offsets.has_value()) return {};
+  for (const auto* t : {&*offsets, &*tokens})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1 && t->device().is_cpu(),
+                "mita fused: pool_offsets and pool_tokens must be contiguous 1-D int64 CPU tensors");
+  const int64_t m = offsets->numel() - 1, *off = offsets->data_ptr<int64_t>(), *tok = tokens->data_ptr<int64_t>();
+  TORCH_CHECK(m >= 1 && off[0] == 0 && off[m] == tokens->numel(), "mita fused: pool_offsets must run from 0 to the "
+              "number of pool_tokens");
+  for (int64_t i = 0; i < m; ++i) TORCH_CHECK(off[i + 1] > off[i], "mita fused: pooling bin ", i, " is empty");
+  for (int64_t p = 0; p < off[m]; ++p)
+    TORCH_CHECK(tok[p] >= 0 && tok[p] < Nq, "mita fused: pool_tokens must be in [0, Nq = ", Nq, ")");
+  return {off, tok};
+}
+
+// Returns out, experts, routes, the landmarks (pooled here from q by the bins when none are given,
+// else a copy of them), and for the backward: v~ (B, H, m, D), the log-sum-exps of s0*A per
+// landmark (B, H, m) and of each query's joint softmax (B, H, Nq).
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const at::Tensor& landmarks, const std::optional<at::Tensor>& key_mask,
+                                const std::optional<at::Tensor>& landmarks, const std::optional<at::Tensor>& key_mask,
                                 const std::optional<at::Tensor>& query_mask, int64_t topk, int64_t num_routed,
-                                double scale, double landmark_scale) {
-  check_inputs(q, k, v, landmarks);
-  const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3), m = landmarks.size(2);
+                                double scale, double landmark_scale, const std::optional<at::Tensor>& pool_offsets,
+                                const std::optional<at::Tensor>& pool_tokens) {
+  const Bins bins = bins_data(pool_offsets, pool_tokens, q.dim() == 4 ? q.size(2) : 0);
+  TORCH_CHECK(landmarks.has_value() != bool(bins), "mita fused: pass either landmarks or pooling bins");
+  at::Tensor lm = landmarks.has_value()
+                      ? landmarks->clone()
+                      : at::empty({q.size(0), q.size(1), pool_offsets->numel() - 1, q.size(3)}, q.options());
+  check_inputs(q, k, v, lm);
+  const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3), m = lm.size(2);
   const bool *km = mask_data(key_mask, B, k.size(2), "key_mask"), *qm = mask_data(query_mask, B, Nq, "query_mask");
+  TORCH_CHECK(!bins || !qm, "mita fused: pooling bins take no query mask (pool the masked landmarks outside)");
   TORCH_CHECK(k.size(2) < std::numeric_limits<int32_t>::max(), "mita fused: at most 2^31 - 2 keys, got Nk = ",
               k.size(2));
   TORCH_CHECK(topk >= 1 && topk <= k.size(2) && num_routed >= 1 && num_routed <= m,
@@ -739,23 +819,33 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   at::Tensor experts = at::empty({B, H, m, topk}, opts.dtype(at::kLong));
   at::Tensor routes = at::empty({B, H, Nq, num_routed}, opts.dtype(at::kLong));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mita_fused_forward", [&] {
-    forward_impl<scalar_t>(q, k, v, landmarks, km, qm, topk, num_routed, scale, landmark_scale, out, experts, routes,
+    forward_impl<scalar_t>(q, k, v, lm, bins, km, qm, topk, num_routed, scale, landmark_scale, out, experts, routes,
                            v_shared, lse_a, lse_t);
   });
-  return {out, experts, routes, v_shared, lse_a, lse_t};
+  return {out, experts, routes, lm, v_shared, lse_a, lse_t};
 }
 
 // Gradients of out with respect to q, k, v (padded keys' rows included, zero) and the landmarks.
+// With pooling bins the landmarks were pooled from q: their gradient, plus `dlandmarks` (a
+// gradient reaching them from outside), is added into dq.
 std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                  const at::Tensor& v, const at::Tensor& landmarks,
                                  const std::optional<at::Tensor>& key_mask, const std::optional<at::Tensor>& query_mask,
                                  const at::Tensor& experts, const at::Tensor& routes, const at::Tensor& out,
                                  const at::Tensor& v_shared, const at::Tensor& lse_a, const at::Tensor& lse_t,
-                                 double scale, double landmark_scale) {
+                                 double scale, double landmark_scale, const std::optional<at::Tensor>& pool_offsets,
+                                 const std::optional<at::Tensor>& pool_tokens,
+                                 const std::optional<at::Tensor>& dlandmarks) {
   check_inputs(q, k, v, landmarks);
   const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), Nk = k.size(2), D = q.size(3);
   const int64_t Nq = q.size(2), m = landmarks.size(2);
   const bool *km = mask_data(key_mask, B, Nk, "key_mask"), *qm = mask_data(query_mask, B, Nq, "query_mask");
+  const Bins bins = bins_data(pool_offsets, pool_tokens, Nq);
+  TORCH_CHECK(!bins || (pool_offsets->numel() == m + 1 && !qm),
+              "mita fused: pooling bins must give the m landmarks and take no query mask");
+  TORCH_CHECK(!dlandmarks.has_value() || (bins && dlandmarks->sizes() == landmarks.sizes() &&
+                                          dlandmarks->scalar_type() == q.scalar_type() && dlandmarks->is_contiguous()),
+              "mita fused: dlandmarks goes with pooling bins and must be contiguous, of the landmarks' shape and dtype");
   for (const auto* t : {&dout, &out, &v_shared, &lse_a, &lse_t})
     TORCH_CHECK(t->is_contiguous() && t->scalar_type() == q.scalar_type(),
                 "mita fused: dout and the saved tensors must be contiguous and of q's dtype");
@@ -775,8 +865,8 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
   at::Tensor dq = at::empty_like(q), dl = at::zeros_like(landmarks);
   at::Tensor dk = at::zeros({B, H, Nk, D}, q.options()), dv = at::zeros({B, H, Nk, D}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mita_fused_backward", [&] {
-    backward_impl<scalar_t>(dout, q, k, v, landmarks, km, qm, experts, routes, out,
-                            v_shared, lse_a, lse_t, scale, landmark_scale, dq, dk, dv, dl);
+    backward_impl<scalar_t>(dout, q, k, v, landmarks, km, qm, experts, routes, out, v_shared, lse_a, lse_t, scale,
+                            landmark_scale, bins, dlandmarks.has_value() ? &*dlandmarks : nullptr, dq, dk, dv, dl);
   });
   if (H != Hkv) {  // grouped-query heads: each kv head's gradient is the sum over its query heads
     dk = dk.view({B, Hkv, H / Hkv, Nk, D}).sum(2);
@@ -789,12 +879,14 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
 
 TORCH_LIBRARY(mita, m) {
   m.def(
-      "fused_forward(Tensor q, Tensor k, Tensor v, Tensor landmarks, Tensor? key_mask, Tensor? query_mask, "
-      "int topk, int num_routed, float scale, float landmark_scale) -> Tensor[]");
+      "fused_forward(Tensor q, Tensor k, Tensor v, Tensor? landmarks, Tensor? key_mask, Tensor? query_mask, "
+      "int topk, int num_routed, float scale, float landmark_scale, Tensor? pool_offsets=None, "
+      "Tensor? pool_tokens=None) -> Tensor[]");
   m.def(
       "fused_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor landmarks, Tensor? key_mask, "
       "Tensor? query_mask, Tensor experts, Tensor routes, Tensor out, Tensor v_shared, Tensor lse_a, "
-      "Tensor lse_t, float scale, float landmark_scale) -> Tensor[]");
+      "Tensor lse_t, float scale, float landmark_scale, Tensor? pool_offsets=None, Tensor? pool_tokens=None, "
+      "Tensor? dlandmarks=None) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(mita, CPU, m) {
