@@ -14,15 +14,20 @@ budget per point. Peak memory is measured in a separate, untimed call:
 Both report bytes on top of what existed before the call; :func:`measure` adds the
 inputs (q, k, v and, for forward+backward, the upstream gradient) to give the peak
 footprint of the step.
+
+Whole models are timed side by side by :func:`alternating_rounds` (``mita video bench``,
+``mita vision bench``): each round times one call of every variant in turn, so all see the
+same machine load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +112,26 @@ def attention_step(op: Callable[..., torch.Tensor], tensors: tuple[torch.Tensor,
     return forward_backward
 
 
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside: a collection inside a timed call is noise, as in timeit."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _timed(fn: Callable[[], object], device: str | torch.device) -> float:
+    """Seconds of one call of ``fn``, its queued device work included."""
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - t0
+
+
 def time_call(
     fn: Callable[[], object],
     *,
@@ -127,18 +152,10 @@ def time_call(
         fn()
     synchronize(device)
     times: list[float] = []
-    gc_was_enabled = gc.isenabled()
-    gc.disable()  # a collection inside a timed call is noise, as in timeit
-    try:
+    with _no_gc():
         start = time.perf_counter()
         while len(times) < max_repeats and (len(times) < min_repeats or time.perf_counter() - start < budget_s):
-            t0 = time.perf_counter()
-            fn()
-            synchronize(device)
-            times.append(time.perf_counter() - t0)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+            times.append(_timed(fn, device))
     return statistics.median(times), len(times)
 
 
@@ -220,3 +237,51 @@ def measure(
         step, device=case.device, budget_s=budget_s, warmup=0, min_repeats=min_repeats, max_repeats=max_repeats
     )
     return Measurement(median, repeats, peak, case.reference_bytes(mode))
+
+
+@dataclass(frozen=True)
+class Rounds:
+    """What :func:`alternating_rounds` measured: each call's seconds per round, and what it returned."""
+
+    times: dict[str, list[float]]  # seconds of each timed call, in round order
+    outputs: dict[str, object]  # what each call returned in its last warm-up call (for checks such as finiteness)
+
+    def median(self, name: str) -> float:
+        """Median seconds of the call ``name`` over the rounds."""
+        return statistics.median(self.times[name])
+
+
+def alternating_rounds(
+    calls: dict[str, Callable[[], object]],
+    rounds: int,
+    *,
+    warmup: int = 1,
+    device: str | torch.device = "cpu",
+    on_round: Callable[[int, dict[str, float]], None] | None = None,
+) -> Rounds:
+    """Time whole-model variants side by side: ``warmup`` untimed calls of each, then ``rounds``
+    rounds that each time one call of every variant in turn, so all see the same machine load.
+
+    Args:
+        calls: the variants by name, each a call with no arguments (its result is kept from the warm-up).
+        rounds: timed rounds (>= 1).
+        warmup: untimed calls of each variant first (>= 1, so there is an output to check).
+        device: where the calls run, synchronized around each timed call (CUDA).
+        on_round: called after each round with its index (from 0) and that round's seconds per
+            variant, for progress (a log line, a progress bar).
+    """
+    if rounds < 1 or warmup < 1 or not calls:
+        raise ValueError(f"alternating_rounds needs calls, rounds >= 1 and warmup >= 1, got {rounds=}, {warmup=}")
+    outputs: dict[str, object] = {}
+    for _ in range(warmup):
+        for name, fn in calls.items():
+            outputs[name] = fn()
+    synchronize(device)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    with _no_gc():
+        for r in range(rounds):
+            for name, fn in calls.items():
+                times[name].append(_timed(fn, device))
+            if on_round is not None:
+                on_round(r, {name: t[-1] for name, t in times.items()})
+    return Rounds(times, outputs)

@@ -6,12 +6,11 @@ each, alternating, so both see the same machine load; the result is the median o
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any
 
 import torch
 
+from ..benchmarks.timing import alternating_rounds
 from .flops import TOPK, VideoBackbone, landmarks
 
 
@@ -36,21 +35,19 @@ def clip_throughput(backbone: VideoBackbone, batch: int = 1, rounds: int = 3, lo
     alternating rounds after one warm-up call each; also the largest output difference to SDPA's."""
     models = videomae_models(backbone)
     clips = torch.randn(batch, backbone.frames, 3, backbone.image_size, backbone.image_size)
-    outputs = {name: model(clips).last_hidden_state for name, model in models.items()}  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in models}
-    for r in range(rounds):
-        for name, model in models.items():
-            t0 = time.perf_counter()
-            model(clips)
-            times[name].append(time.perf_counter() - t0)
+    calls = {name: (lambda model=model: model(clips).last_hidden_state) for name, model in models.items()}
+
+    def progress(r: int, seconds: dict[str, float]) -> None:
         log(
             f"{backbone.name} B={batch} round {r + 1}/{rounds}: "
-            + ", ".join(f"{n} {t[-1]:.2f} s" for n, t in times.items())
+            + ", ".join(f"{n} {t:.2f} s" for n, t in seconds.items())
         )
-    base = statistics.median(times["sdpa"])
+
+    measured = alternating_rounds(calls, rounds, on_round=progress)
+    base = measured.median("sdpa")
     rows = []
-    for name, values in times.items():
-        median = statistics.median(values)
+    for name in models:
+        median = measured.median(name)
         rows.append(
             {
                 "model": backbone.name,
@@ -61,7 +58,7 @@ def clip_throughput(backbone: VideoBackbone, batch: int = 1, rounds: int = 3, lo
                 "clips/s": batch / median,
                 "speed-up": base / median,
                 "rounds": rounds,
-                "finite": bool(torch.isfinite(outputs[name]).all()),
+                "finite": bool(torch.isfinite(measured.outputs[name]).all()),
             }
         )
     return rows

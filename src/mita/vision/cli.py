@@ -1,4 +1,5 @@
-"""``mita vision``: FLOP tables, the digits experiments (swap, robustness, pruning) and the ImageNet trainer."""
+"""``mita vision``: FLOP tables, the digits experiments (swap, robustness, pruning), whole-model speed
+and the ImageNet trainer."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from ..utils.files import atomic_write_text
 from ..utils.flags import add_force, add_out
+from .bench import MODELS, MODES, SIZES
 from .digits import DigitsSetup
 from .experiments import ROBUSTNESS_K, ROBUSTNESS_M
 
@@ -129,6 +131,27 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``mita vision bench``: whole timm DeiTs converted to MiTA against themselves unconverted, side by side."""
+    from ..utils.files import prepare_output_dir
+    from . import bench
+    from .train import model_args
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    sizes = [bench.parse_size(text) for text in args.sizes]
+    kwargs = model_args(args.model_args)
+    bench.check_settings(args.models, sizes, args.modes, args.rounds, kwargs)
+    out = prepare_output_dir(args.out, force=args.force)  # checked before any work
+    rows = bench.run(args.models, sizes, args.modes, args.rounds, model_kwargs=kwargs)
+    report, table = bench.write_outputs(out, rows, command_line(args), torch.get_num_threads())
+    print(report.read_text())
+    print(f"wrote {report} and {table}")
+    return 0
+
+
 def _digits_arguments(p: argparse.ArgumentParser, out: str, defaults: DigitsSetup = _DIGITS_DEFAULTS) -> None:
     add_out(p, f"output folder (default {out})", default=Path(out), type=Path)
     add_force(p, "write into a non-empty --out (an existing report, a mismatched checkpoint)")
@@ -169,7 +192,9 @@ def _add_train_parser(vision: argparse._SubParsersAction) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("vision", help="ViTs with MiTA: FLOP tables, digits experiments, ImageNet trainer")
+    parser = sub.add_parser(
+        "vision", help="ViTs with MiTA: FLOP tables, digits experiments, whole-model speed, ImageNet trainer"
+    )
     vision = parser.add_subparsers(dest="vision_command", required=True, metavar="VISION_COMMAND")
 
     p = vision.add_parser("flops", help="FLOP and parameter tables, full attention vs MiTA")
@@ -194,5 +219,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _digits_arguments(p, "runs/vision/pruning")
     p.add_argument("--train-attention", default="mita:num_landmarks=16,topk=16", help="the MiTA config trained")
     p.set_defaults(func=cmd_pruning)
+
+    p = vision.add_parser("bench", help="whole timm DeiTs converted to MiTA vs unconverted: images/s, steps/s")
+    p.add_argument("--models", nargs="+", default=list(MODELS), help="timm ViT names")
+    p.add_argument(
+        "--sizes",
+        nargs="+",
+        default=[str(s) for s in SIZES],
+        metavar="PX:BATCH:M[:K]",
+        help="image size, batch, MiTA landmarks m (a square) and keys k (default k = m)",
+    )
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="infer: a forward; train: a step")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds (one call of each model per round)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--model-args", help="extra create_model options for every model, e.g. 'depth=2'")
+    add_out(
+        p,
+        "folder for report.md and results.csv (default runs/vision/bench)",
+        default=Path("runs/vision/bench"),
+        type=Path,
+    )
+    add_force(p, "write into a non-empty --out (an existing report)")
+    p.set_defaults(func=cmd_bench)
 
     _add_train_parser(vision)
