@@ -134,11 +134,12 @@ inline int64_t order_key(double f) {
   return std::max(i >= 0 ? i : i ^ 0x7fffffffffffffff, std::numeric_limits<int64_t>::min() + 1);
 }
 
-// Top-k of one row, streamed block by block, by threshold selection: a block's keys above the
-// current k-th best join a candidate buffer, which is cut back to its k best when the next
-// block might not fit (and at the end). The cut finds the k-th largest key by bisection on
-// its bits, each step one vectorised count, so a row costs a few passes over its keys and
-// no unpredictable branches. Ties keep the lower index (candidates stay in index order).
+// Top-k of one row, streamed block by block, by threshold selection: keys above the current
+// k-th best join a candidate buffer, which is cut back to its k best when full (and at the
+// end). The cut finds the k-th largest key by bisection on its bits, each step one vectorised
+// count, so a row costs a few passes over its keys and no unpredictable branches; once the
+// buffer holds good keys, most chunks of a long row are skipped by one vector comparison.
+// Ties keep the lower index (candidates stay in index order).
 template <typename T>
 struct TopK {
   using S = std::conditional_t<std::is_same_v<T, float>, int32_t, int64_t>;
@@ -158,27 +159,36 @@ struct TopK {
   // Offer keys j0 .. j0+n-1 with scores x; `real` (or null) marks the keys that take part.
   // `scratch` holds n keys.
   void offer(const T* x, int64_t n, int64_t j0, const bool* real, S* scratch) {
-    if (size + n > cap) cut();
     for (int64_t j = 0; j < n; ++j) scratch[j] = order_key(x[j]);
     if (real)
       for (int64_t j = 0; j < n; ++j) scratch[j] = real[j] ? scratch[j] : kPadded;
     constexpr int64_t W = 16;
-    S* const kp = key;
-    int32_t* const ip = index;
-    const S lo = floor;
-    int64_t sz = size;
     for (int64_t c = 0; c < n; c += W) {
       const int64_t e = std::min(n, c + W);
-      S top = kPadded;
-      for (int64_t j = c; j < e; ++j) top = std::max(top, scratch[j]);
-      if (top <= lo) continue;  // the common case once the buffer holds good keys
+      S top = kPadded, low = std::numeric_limits<S>::max();
+      for (int64_t j = c; j < e; ++j) {
+        top = std::max(top, scratch[j]);
+        low = std::min(low, scratch[j]);
+      }
+      if (top <= floor) continue;  // the common case once the buffer holds good keys
+      if (size + W > cap) cut();   // full: keep the k best, raising the floor
+      if (low > floor) {           // every key of the chunk is a candidate (a row's first keys)
+        std::copy(scratch + c, scratch + e, key + size);
+        for (int64_t j = c; j < e; ++j) index[size + j - c] = static_cast<int32_t>(j0 + j);
+        size += e - c;
+        continue;
+      }
+      S* const kp = key;
+      int32_t* const ip = index;
+      const S lo = floor;
+      int64_t sz = size;
       for (int64_t j = c; j < e; ++j) {
         kp[sz] = scratch[j];
         ip[sz] = static_cast<int32_t>(j0 + j);
         sz += scratch[j] > lo;
       }
+      size = sz;
     }
-    size = sz;
   }
 
   // How many of the n keys are >= t; kp holds padded keys up to a whole number of vectors.
@@ -284,6 +294,70 @@ void sigmoid_logaddexp(const T* c, T* a, T* w, int64_t n) {
     (at::vec::maximum(va, vc) + (-d.abs()).exp().log1p()).store(a + i, m);
   }
 }
+
+// Products too small for a BLAS call to pay for itself (an expert of a few queries at vision
+// sizes): C (M x N) = sum_l A(i, l) * row_l(B) (+ C when `add`), where A(i, l) = a(i)[l * as]
+// and b(l) points to row l of B, so that either operand is read in place, transposed or
+// gathered by index, without copies. Register tiles of R rows by NV vectors, A broadcast.
+template <typename T, int R, int NV, typename AF, typename BF>
+void small_tile(int64_t i0, int64_t j0, int64_t K, int64_t last, const AF& a, int64_t as, const BF& b, T* C,
+                int64_t ldc, bool add) {
+  using V = Vectorized<T>;
+  V c[R][NV];
+  const T* ap[R];
+  for (int r = 0; r < R; ++r) {
+    ap[r] = a(i0 + r);
+    for (int v = 0; v < NV; ++v) c[r][v] = V(T(0));
+  }
+  for (int64_t l = 0; l < K; ++l) {
+    const T* row = b(l) + j0;
+    V bv[NV];
+    for (int v = 0; v < NV; ++v)
+      bv[v] = v == NV - 1 && last < V::size() ? V::loadu(row + v * V::size(), last) : V::loadu(row + v * V::size());
+    for (int r = 0; r < R; ++r) {
+      const V av(ap[r][l * as]);
+      for (int v = 0; v < NV; ++v) c[r][v] = at::vec::fmadd(av, bv[v], c[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) {
+      T* p = C + (i0 + r) * ldc + j0 + v * V::size();
+      const int64_t n = v == NV - 1 ? last : V::size();
+      const V out = add ? c[r][v] + V::loadu(p, n) : c[r][v];
+      out.store(p, n);
+    }
+}
+
+template <typename T, int R, typename AF, typename BF>
+void small_rows(int64_t nv, int64_t i0, int64_t j0, int64_t K, int64_t last, const AF& a, int64_t as, const BF& b,
+                T* C, int64_t ldc, bool add) {
+  switch (nv) {
+    case 1: return small_tile<T, R, 1>(i0, j0, K, last, a, as, b, C, ldc, add);
+    case 2: return small_tile<T, R, 2>(i0, j0, K, last, a, as, b, C, ldc, add);
+    case 3: return small_tile<T, R, 3>(i0, j0, K, last, a, as, b, C, ldc, add);
+    default: return small_tile<T, R, 4>(i0, j0, K, last, a, as, b, C, ldc, add);
+  }
+}
+
+template <typename T, typename AF, typename BF>
+void small_gemm(int64_t M, int64_t N, int64_t K, const AF& a, int64_t as, const BF& b, T* C, int64_t ldc,
+                bool add = false) {
+  constexpr int64_t W = Vectorized<T>::size();
+  for (int64_t j0 = 0; j0 < N; j0 += 4 * W) {
+    const int64_t nv = std::min<int64_t>(4, (N - j0 + W - 1) / W), last = std::min(W, N - j0 - (nv - 1) * W);
+    int64_t i0 = 0;
+    for (; i0 + 4 <= M; i0 += 4) small_rows<T, 4>(nv, i0, j0, K, last, a, as, b, C, ldc, add);
+    switch (M - i0) {
+      case 3: small_rows<T, 3>(nv, i0, j0, K, last, a, as, b, C, ldc, add); break;
+      case 2: small_rows<T, 2>(nv, i0, j0, K, last, a, as, b, C, ldc, add); break;
+      case 1: small_rows<T, 1>(nv, i0, j0, K, last, a, as, b, C, ldc, add); break;
+      default: break;
+    }
+  }
+}
+
+// Up to this many multiply-adds (queries x keys x D) an expert's products skip BLAS.
+constexpr int64_t kSmallProduct = int64_t(1) << 17;
 
 // Landmark pooling (step 1) as bins: bin i holds tokens[offsets[i] .. offsets[i + 1]), each bin
 // a mean of its tokens' rows (the adaptive-pooling bins, built once per shape in pooling.py).
@@ -457,11 +531,16 @@ struct Forward {
     const T* Kx = K + kv_offset(x);
     const T* Vx = Vv + kv_offset(x);
     T *Ke = sc.Ke.data(), *Ve = sc.Ve.data(), *Qb = sc.Qb.data(), *Sb = sc.Sb.data(), *Ob = sc.Ob.data();
+    const int64_t* mem = members + x * Nq * s + st[e];
+    if (n_e <= kQueryBlock && n_e * kk * D <= kSmallProduct) {  // a small expert: in registers, no gathers
+      small_expert(x, mem, n_e, kk, keys, sc);
+      merge_block(x, mem, n_e, sc);
+      return;
+    }
     for (int64_t i = 0; i < kk; ++i) {
       std::copy(Kx + keys[i] * D, Kx + (keys[i] + 1) * D, Ke + i * D);
       std::copy(Vx + keys[i] * D, Vx + (keys[i] + 1) * D, Ve + i * D);
     }
-    const int64_t* mem = members + x * Nq * s + st[e];
     for (int64_t i0 = 0; i0 < n_e; i0 += kQueryBlock) {
       const int64_t nb = std::min(kQueryBlock, n_e - i0);
       for (int64_t i = 0; i < nb; ++i) {
@@ -478,23 +557,61 @@ struct Forward {
       }
       log_add(sc.w.data(), sc.a.data(), sc.lse.data(), nb);
       gemm<T>(false, false, nb, D, kk, T(1), Sb, kk, Ve, D, T(0), Ob, D);
-      if (s == 1) {  // out = lerp(out_shared, out_routed, sigmoid(lse_r - lse_shared)), lse_t = logaddexp
-        for (int64_t i = 0; i < nb; ++i) sc.a[i] = LSE[x * Nq + mem[i0 + i]];
-        sigmoid_logaddexp(sc.lse.data(), sc.a.data(), sc.w.data(), nb);  // w, and a <- lse_t
-        for (int64_t i = 0; i < nb; ++i) {
-          const int64_t t = mem[i0 + i];
-          LT[x * Nq + t] = sc.a[i];
-          T* o = O + (x * Nq + t) * D;
-          const T* r = Ob + i * D;
-          const T wi = sc.w[i];
-          for (int64_t d = 0; d < D; ++d) o[d] += wi * (r[d] - o[d]);
-        }
-      } else {
-        for (int64_t i = 0; i < nb; ++i) {
-          const int64_t slot = mem[i0 + i];
-          std::copy(Ob + i * D, Ob + (i + 1) * D, RO + (x * Nq * s + slot) * D);
-          RL[x * Nq * s + slot] = sc.lse[i];
-        }
+      merge_block(x, mem + i0, nb, sc);
+    }
+  }
+
+  // The routed softmax of a small expert's nb queries (slots mem) over its kk keys, into sc.Ob and
+  // sc.lse: S^T = K_e Q^T (keys by index, queries packed as columns), a softmax down each column,
+  // out = P V_e (values by index).
+  void small_expert(int64_t x, const int64_t* mem, int64_t nb, int64_t kk, const int64_t* keys, Scratch& sc) const {
+    using V = Vectorized<T>;
+    const T* Kx = K + kv_offset(x);
+    const T* Vx = Vv + kv_offset(x);
+    T *Qt = sc.Qb.data(), *St = sc.Sb.data();
+    const int64_t ld = (nb + V::size() - 1) / V::size() * V::size();  // whole vectors: no masked loads
+    for (int64_t d = 0; d < D; ++d) std::fill(Qt + d * ld + nb, Qt + (d + 1) * ld, T(0));
+    for (int64_t i = 0; i < nb; ++i) {  // the queries as columns, scaled
+      const T* row = Q + (x * Nq + mem[i] / s) * D;
+      for (int64_t d = 0; d < D; ++d) Qt[d * ld + i] = scale * row[d];
+    }
+    small_gemm<T>(
+        kk, ld, D, [&](int64_t j) { return Kx + keys[j] * D; }, 1, [&](int64_t d) { return Qt + d * ld; }, St, ld);
+    for (int64_t i0 = 0; i0 < ld; i0 += V::size()) {  // the queries are the lanes
+      V mx(-std::numeric_limits<T>::infinity()), sum(T(0));
+      for (int64_t j = 0; j < kk; ++j) mx = at::vec::maximum(mx, V::loadu(St + j * ld + i0));
+      for (int64_t j = 0; j < kk; ++j) {
+        const V p = vexp(V::loadu(St + j * ld + i0) - mx);
+        p.store(St + j * ld + i0);
+        sum = sum + p;
+      }
+      const V inv = V(T(1)) / sum;
+      for (int64_t j = 0; j < kk; ++j) (V::loadu(St + j * ld + i0) * inv).store(St + j * ld + i0);
+      (mx + sum.log()).store(sc.lse.data() + i0);
+    }
+    small_gemm<T>(
+        nb, D, kk, [&](int64_t i) { return St + i; }, ld, [&](int64_t j) { return Vx + keys[j] * D; }, sc.Ob.data(), D);
+  }
+
+  // Merges a block of nb routed results (sc.Ob, sc.lse; slots mem) into out (s = 1) or keeps them.
+  void merge_block(int64_t x, const int64_t* mem, int64_t nb, Scratch& sc) const {
+    const T* Ob = sc.Ob.data();
+    if (s == 1) {  // out = lerp(out_shared, out_routed, sigmoid(lse_r - lse_shared)), lse_t = logaddexp
+      for (int64_t i = 0; i < nb; ++i) sc.a[i] = LSE[x * Nq + mem[i]];
+      sigmoid_logaddexp(sc.lse.data(), sc.a.data(), sc.w.data(), nb);  // w, and a <- lse_t
+      for (int64_t i = 0; i < nb; ++i) {
+        const int64_t t = mem[i];
+        LT[x * Nq + t] = sc.a[i];
+        T* o = O + (x * Nq + t) * D;
+        const T* r = Ob + i * D;
+        const T wi = sc.w[i];
+        for (int64_t d = 0; d < D; ++d) o[d] += wi * (r[d] - o[d]);
+      }
+    } else {
+      for (int64_t i = 0; i < nb; ++i) {
+        const int64_t slot = mem[i];
+        std::copy(Ob + i * D, Ob + (i + 1) * D, RO + (x * Nq * s + slot) * D);
+        RL[x * Nq * s + slot] = sc.lse[i];
       }
     }
   }
