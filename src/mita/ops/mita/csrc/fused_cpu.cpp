@@ -500,11 +500,15 @@ struct Forward {
         LT[x * Nq + t] = T(0);
         continue;
       }
-      if (s == 1) {
-        int64_t best = 0;
-        for (int64_t e = 1; e < m; ++e)
-          if (row[e] > row[best]) best = e;
-        route[0] = best;
+      if (s == 1) {  // the first largest gate (a NaN row routes to 0); its exponentials reuse that max
+        const T mx = row_max(row, m);
+        route[0] = std::max<int64_t>(0, std::find(row, row + m, mx) - row) % m;
+        if (lscale > T(0)) {
+          sc.w[i] = exp_sum(row, m, lscale, lscale * mx);
+          sc.a[i] = lscale * mx;
+          scale_row(row, m, T(1) / sc.w[i]);
+          continue;
+        }
       } else {
         int64_t* order = sc.order.data();
         for (int64_t e = 0; e < m; ++e) order[e] = e;
