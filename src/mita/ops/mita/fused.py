@@ -184,7 +184,7 @@ def _fake_forward(
     B, H, Nq, D = q.shape
     m, long = (landmarks.shape[2] if landmarks is not None else offsets.shape[0] - 1), torch.long
     return [
-        q.new_empty(q.shape),
+        q.new_empty(B, Nq, H, D).transpose(1, 2),  # written as (B, N, H, D), like SDPA's CPU kernel
         q.new_empty(B, H, m, topk, dtype=long),
         q.new_empty(B, H, Nq, num_routed, dtype=long),
         q.new_empty(B, H, m, D),
@@ -245,7 +245,7 @@ class _FusedMiTA(torch.autograd.Function):
             return *(next(grads) if n else None for n in needed), None, None
         with torch.no_grad():
             grads = torch.ops.mita.fused_backward(
-                dout.contiguous(),
+                _rows(dout),
                 q,
                 k,
                 v,
@@ -265,6 +265,12 @@ class _FusedMiTA(torch.autograd.Function):
             )
         dq, dk, dv, dl = grads
         return dq, dk, dv, None if pooled_here else dl, None, None
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its rows (last dimension) are contiguous, whatever its other strides, else a copy:
+    the kernels read any such layout (q, k, v of a timm block are views of one qkv buffer)."""
+    return t if t.stride(-1) == 1 and min(t.stride()) >= 0 else t.contiguous()
 
 
 def _masks(cfg: MiTAConfig) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -310,7 +316,7 @@ def mita_attention_fused(
         else:
             landmarks = pool(q, cfg.pooling, cfg.query_mask)
     compute = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
-    q_, k_, v_ = (t.to(compute).contiguous() for t in (q, k, v))
+    q_, k_, v_ = (_rows(t.to(compute)) for t in (q, k, v))
     given = None if landmarks is None else landmarks.to(compute).contiguous()
     out, pooled, experts, routes = _FusedMiTA.apply(q_, k_, v_, given, cfg, bins)
     return out.to(q.dtype), (pooled.to(q.dtype) if landmarks is None else landmarks, experts, routes)

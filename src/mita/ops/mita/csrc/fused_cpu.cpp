@@ -359,6 +359,16 @@ void small_gemm(int64_t M, int64_t N, int64_t K, const AF& a, int64_t as, const 
 // Up to this many multiply-adds (queries x keys x D) an expert's products skip BLAS.
 constexpr int64_t kSmallProduct = int64_t(1) << 17;
 
+// Where the rows of a (B, H, N, D) tensor lie: element (b, h, t, d) at b * sb + h * sh + t * st + d.
+// The kernels read q, k, v, out and dout in any such layout (a timm block's q, k, v are views of
+// one qkv buffer; the output is written as (B, N, H, D), ready for the projection), so the
+// layers pass them without copies.
+struct Rows {
+  int64_t sb = 0, sh = 0, st = 0;
+  explicit Rows(const at::Tensor& t) : sb(t.stride(0)), sh(t.stride(1)), st(t.stride(2)) {}
+  int64_t head(int64_t b, int64_t h) const { return b * sb + h * sh; }
+};
+
 // Landmark pooling (step 1) as bins: bin i holds tokens[offsets[i] .. offsets[i + 1]), each bin
 // a mean of its tokens' rows (the adaptive-pooling bins, built once per shape in pooling.py).
 struct Bins {
@@ -370,12 +380,12 @@ struct Bins {
 // Lx[i] = mean of Qx[t] over the tokens t of bin i (summed in token order, then divided, as
 // adaptive_avg_pool does).
 template <typename T>
-void pool_head(const T* Qx, int64_t m, int64_t D, Bins bins, T* Lx) {
+void pool_head(const T* Qx, int64_t st, int64_t m, int64_t D, Bins bins, T* Lx) {
   for (int64_t i = 0; i < m; ++i) {
     T* l = Lx + i * D;
     std::fill(l, l + D, T(0));
     for (int64_t p = bins.offsets[i]; p < bins.offsets[i + 1]; ++p) {
-      const T* row = Qx + bins.tokens[p] * D;
+      const T* row = Qx + bins.tokens[p] * st;
       for (int64_t d = 0; d < D; ++d) l[d] += row[d];
     }
     const T n = static_cast<T>(bins.offsets[i + 1] - bins.offsets[i]);
@@ -409,6 +419,7 @@ struct Forward {
   int64_t H, Nq, D, Hkv, Nk, m, G, topk, s;
   T scale, lscale;
   const T *Q, *K, *Vv;
+  Rows qr, kr, vr, outr;  // the layouts of q, k, v, out
   T* L;  // the landmarks: given, or pooled here from Q by `bins`
   Bins bins;
   const bool *key_mask, *query_mask;
@@ -429,15 +440,19 @@ struct Forward {
           block_keys(kKeyBlock), index(rows * (f.topk + kKeyBlock + 2 * Vectorized<Key>::size())), order(f.m) {}
   };
 
-  int64_t kv_offset(int64_t x) const { return ((x / H) * Hkv + (x % H) / G) * Nk * D; }
+  // Head x's rows: element (t, d) of q at qx(x)[t * qr.st + d], and so on.
+  const T* qx(int64_t x) const { return Q + qr.head(x / H, x % H); }
+  const T* kx(int64_t x) const { return K + kr.head(x / H, (x % H) / G); }
+  const T* vx(int64_t x) const { return Vv + vr.head(x / H, (x % H) / G); }
+  T* ox(int64_t x) const { return O + outr.head(x / H, x % H); }
 
   // A: shared-expert values and the experts' keys of landmark rows r0 .. r0+nr of head x.
   void experts(int64_t x, int64_t r0, int64_t nr, Scratch& sc) const {
     const T ninf = -std::numeric_limits<T>::infinity();
     const int64_t kk = std::min(topk, n_real[x / H]);
     const T* Lx = L + (x * m + r0) * D;
-    const T* Kx = K + kv_offset(x);
-    const T* Vx = Vv + kv_offset(x);
+    const T* Kx = kx(x);
+    const T* Vx = vx(x);
     const bool* km = key_mask ? key_mask + (x / H) * Nk : nullptr;
     T* acc = VS + (x * m + r0) * D;
     std::fill(acc, acc + nr * D, T(0));
@@ -449,7 +464,7 @@ struct Forward {
     T* S = sc.S.data();
     for (int64_t j0 = 0; j0 < Nk; j0 += kKeyBlock) {
       const int64_t nb = std::min(kKeyBlock, Nk - j0);
-      gemm<T>(false, true, nr, nb, D, T(1), Lx, D, Kx + j0 * D, D, T(0), S, nb);
+      gemm<T>(false, true, nr, nb, D, T(1), Lx, D, Kx + j0 * kr.st, kr.st, T(0), S, nb);
       for (int64_t r = 0; r < nr; ++r) {
         T* row = S + r * nb;
         best[r].offer(row, nb, j0, km ? km + j0 : nullptr, sc.block_keys.data());
@@ -468,7 +483,7 @@ struct Forward {
         if (alpha != T(1)) scale_row(acc + r * D, D, alpha);
         sc.mx[r] = nm;
       }
-      gemm<T>(false, false, nr, D, nb, T(1), S, nb, Vx + j0 * D, D, T(1), acc, D);
+      gemm<T>(false, false, nr, D, nb, T(1), S, nb, Vx + j0 * vr.st, vr.st, T(1), acc, D);
     }
     for (int64_t r = 0; r < nr; ++r) {
       scale_row(acc + r * D, D, T(1) / sc.sum[r]);
@@ -487,7 +502,7 @@ struct Forward {
     const T ninf = -std::numeric_limits<T>::infinity();
     const bool* qm = query_mask ? query_mask + (x / H) * Nq : nullptr;
     T* Gt = sc.Gt.data();
-    gemm<T>(false, true, nq, m, D, T(1), Q + (x * Nq + t0) * D, D, L + x * m * D, D, T(0), Gt, m);
+    gemm<T>(false, true, nq, m, D, T(1), qx(x) + t0 * qr.st, qr.st, L + x * m * D, D, T(0), Gt, m);
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t t = t0 + i;
       T* row = Gt + i * m;
@@ -522,7 +537,7 @@ struct Forward {
       sc.w[i] = sm;
     }
     log_add(sc.w.data(), sc.a.data(), LSE + x * Nq + t0, nq);  // lse = max + log(sum)
-    gemm<T>(false, false, nq, D, m, T(1), Gt, m, VS + x * m * D, D, T(0), O + (x * Nq + t0) * D, D);
+    gemm<T>(false, false, nq, D, m, T(1), Gt, m, VS + x * m * D, D, T(0), ox(x) + t0 * outr.st, outr.st);
   }
 
   // C: the routed expert e of head x attends its queries; merged into out (s = 1) or kept.
@@ -532,8 +547,8 @@ struct Forward {
     if (n_e == 0) return;
     const int64_t kk = std::min(topk, n_real[x / H]);
     const int64_t* keys = E + (x * m + e) * topk;
-    const T* Kx = K + kv_offset(x);
-    const T* Vx = Vv + kv_offset(x);
+    const T* Kx = kx(x);
+    const T* Vx = vx(x);
     T *Ke = sc.Ke.data(), *Ve = sc.Ve.data(), *Qb = sc.Qb.data(), *Sb = sc.Sb.data(), *Ob = sc.Ob.data();
     const int64_t* mem = members + x * Nq * s + st[e];
     if (n_e <= kQueryBlock && n_e * kk * D <= kSmallProduct) {  // a small expert: in registers, no gathers
@@ -542,13 +557,13 @@ struct Forward {
       return;
     }
     for (int64_t i = 0; i < kk; ++i) {
-      std::copy(Kx + keys[i] * D, Kx + (keys[i] + 1) * D, Ke + i * D);
-      std::copy(Vx + keys[i] * D, Vx + (keys[i] + 1) * D, Ve + i * D);
+      std::copy(Kx + keys[i] * kr.st, Kx + keys[i] * kr.st + D, Ke + i * D);
+      std::copy(Vx + keys[i] * vr.st, Vx + keys[i] * vr.st + D, Ve + i * D);
     }
     for (int64_t i0 = 0; i0 < n_e; i0 += kQueryBlock) {
       const int64_t nb = std::min(kQueryBlock, n_e - i0);
       for (int64_t i = 0; i < nb; ++i) {
-        const T* src = Q + (x * Nq + mem[i0 + i] / s) * D;
+        const T* src = qx(x) + (mem[i0 + i] / s) * qr.st;
         std::copy(src, src + D, Qb + i * D);
       }
       gemm<T>(false, true, nb, kk, D, T(1), Qb, D, Ke, D, T(0), Sb, kk);
@@ -570,17 +585,18 @@ struct Forward {
   // out = P V_e (values by index).
   void small_expert(int64_t x, const int64_t* mem, int64_t nb, int64_t kk, const int64_t* keys, Scratch& sc) const {
     using V = Vectorized<T>;
-    const T* Kx = K + kv_offset(x);
-    const T* Vx = Vv + kv_offset(x);
+    const T* Kx = kx(x);
+    const T* Vx = vx(x);
     T *Qt = sc.Qb.data(), *St = sc.Sb.data();
     const int64_t ld = (nb + V::size() - 1) / V::size() * V::size();  // whole vectors: no masked loads
     for (int64_t d = 0; d < D; ++d) std::fill(Qt + d * ld + nb, Qt + (d + 1) * ld, T(0));
     for (int64_t i = 0; i < nb; ++i) {  // the queries as columns, scaled
-      const T* row = Q + (x * Nq + mem[i] / s) * D;
+      const T* row = qx(x) + (mem[i] / s) * qr.st;
       for (int64_t d = 0; d < D; ++d) Qt[d * ld + i] = scale * row[d];
     }
     small_gemm<T>(
-        kk, ld, D, [&](int64_t j) { return Kx + keys[j] * D; }, 1, [&](int64_t d) { return Qt + d * ld; }, St, ld);
+        kk, ld, D, [&](int64_t j) { return Kx + keys[j] * kr.st; }, 1, [&](int64_t d) { return Qt + d * ld; }, St,
+        ld);
     for (int64_t i0 = 0; i0 < ld; i0 += V::size()) {  // the queries are the lanes
       V mx(-std::numeric_limits<T>::infinity()), sum(T(0));
       for (int64_t j = 0; j < kk; ++j) mx = at::vec::maximum(mx, V::loadu(St + j * ld + i0));
@@ -594,7 +610,8 @@ struct Forward {
       (mx + sum.log()).store(sc.lse.data() + i0);
     }
     small_gemm<T>(
-        nb, D, kk, [&](int64_t i) { return St + i; }, ld, [&](int64_t j) { return Vx + keys[j] * D; }, sc.Ob.data(), D);
+        nb, D, kk, [&](int64_t i) { return St + i; }, ld, [&](int64_t j) { return Vx + keys[j] * vr.st; }, sc.Ob.data(),
+        D);
   }
 
   // Merges a block of nb routed results (sc.Ob, sc.lse; slots mem) into out (s = 1) or keeps them.
@@ -606,7 +623,7 @@ struct Forward {
       for (int64_t i = 0; i < nb; ++i) {
         const int64_t t = mem[i];
         LT[x * Nq + t] = sc.a[i];
-        T* o = O + (x * Nq + t) * D;
+        T* o = ox(x) + t * outr.st;
         const T* r = Ob + i * D;
         const T wi = sc.w[i];
         for (int64_t d = 0; d < D; ++d) o[d] += wi * (r[d] - o[d]);
@@ -631,7 +648,7 @@ struct Forward {
       T ws = 0;
       for (auto& a : w) ws += (a = std::exp(a - wm));
       LT[xt] = wm + std::log(ws);
-      T* o = O + xt * D;
+      T* o = ox(xt / Nq) + (xt % Nq) * outr.st;
       for (int64_t d = 0; d < D; ++d) {
         T a = w[0] * o[d];
         for (int64_t j = 0; j < s; ++j) a += w[j + 1] * RO[(xt * s + j) * D + d];
@@ -646,7 +663,7 @@ struct Forward {
   }
 
   void pool(int64_t x) const {
-    if (bins) pool_head(Q + x * Nq * D, m, D, bins, L + x * m * D);
+    if (bins) pool_head(qx(x), qr.st, m, D, bins, L + x * m * D);
   }
 
   // Every phase of head x, in turn.
@@ -677,7 +694,8 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     routed_lse = at::empty({X, Nq * s}, opts);
   }
   Forward<T> f{H, Nq, D, Hkv, Nk, m, H / Hkv, topk, s, static_cast<T>(scale_), static_cast<T>(landmark_scale_),
-               q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), lm.data_ptr<T>(), bins, key_mask, query_mask,
+               q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), Rows(q), Rows(k), Rows(v), Rows(out),
+               lm.data_ptr<T>(), bins, key_mask, query_mask,
                out.data_ptr<T>(), v_shared.data_ptr<T>(), lse_a.data_ptr<T>(), lse_t.data_ptr<T>(),
                lse_shared.data_ptr<T>(), s > 1 ? routed_out.data_ptr<T>() : nullptr,
                s > 1 ? routed_lse.data_ptr<T>() : nullptr, experts.data_ptr<int64_t>(), routes.data_ptr<int64_t>(),
@@ -747,7 +765,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   const T *LA = lse_a.data_ptr<T>(), *LT = lse_t.data_ptr<T>();
   const int64_t *E = experts.data_ptr<int64_t>(), *R = routes.data_ptr<int64_t>();
   T *dQ = dq.data_ptr<T>(), *dK = dk.data_ptr<T>(), *dV = dv.data_ptr<T>(), *dL = dl.data_ptr<T>();
-  const auto kv_offset = [&](int64_t x) { return ((x / H) * Hkv + (x % H) / G) * Nk * D; };
+  const Rows qr(q), kr(k), vr(v), outr(out), dor(dout);  // dq, dk, dv are contiguous
+  const int64_t qs = qr.st, ks = kr.st, vs = vr.st, os = outr.st, dos = dor.st;
 
   at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
     const SingleThreadedBlas blas;
@@ -761,20 +780,21 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
       const bool* qm = query_mask ? query_mask + b * Nq : nullptr;
       const bool* km = key_mask ? key_mask + b * Nk : nullptr;
       const int64_t kk = key_mask ? std::min<int64_t>(topk, std::count(km, km + Nk, true)) : topk;
-      const T *Qx = Q + x * Nq * D, *dOx = dO + x * Nq * D, *Ox = O + x * Nq * D, *Lx = L + x * m * D;
-      const T *VSx = VS + x * m * D, *Kx = K + kv_offset(x), *Vx = Vv + kv_offset(x), *LTx = LT + x * Nq;
+      const int64_t h = x % H, hkv = h / G;
+      const T *Qx = Q + qr.head(b, h), *dOx = dO + dor.head(b, h), *Ox = O + outr.head(b, h), *Lx = L + x * m * D;
+      const T *VSx = VS + x * m * D, *Kx = K + kr.head(b, hkv), *Vx = Vv + vr.head(b, hkv), *LTx = LT + x * Nq;
       T *dQx = dQ + x * Nq * D, *dKx = dK + x * Nk * D, *dVx = dV + x * Nk * D, *dLx = dL + x * m * D;
       for (int64_t t = 0; t < Nq; ++t)
         delta[t] = (qm && !qm[t]) ? T(0) : at::vec::map2_reduce_all<T>(
             [](Vectorized<T> a, Vectorized<T> c) { return a * c; }, [](Vectorized<T> a, Vectorized<T> c) { return a + c; },
-            dOx + t * D, Ox + t * D, D);
+            dOx + t * dos, Ox + t * os, D);
       std::fill(dvs.begin(), dvs.end(), T(0));
 
       // Shared expert: logits ls * q.q~, values v~.
       for (int64_t t0 = 0; t0 < Nq; t0 += kQueryBlock) {
         const int64_t nq = std::min(kQueryBlock, Nq - t0);
-        gemm<T>(false, true, nq, m, D, T(1), Qx + t0 * D, D, Lx, D, T(0), P.data(), m);
-        gemm<T>(false, true, nq, m, D, T(1), dOx + t0 * D, D, VSx, D, T(0), dP.data(), m);
+        gemm<T>(false, true, nq, m, D, T(1), Qx + t0 * qs, qs, Lx, D, T(0), P.data(), m);
+        gemm<T>(false, true, nq, m, D, T(1), dOx + t0 * dos, dos, VSx, D, T(0), dP.data(), m);
         for (int64_t i = 0; i < nq; ++i) {
           T *p = P.data() + i * m, *dp = dP.data() + i * m;
           if (qm && !qm[t0 + i]) {
@@ -786,8 +806,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           for (int64_t e = 0; e < m; ++e) dp[e] = lscale * p[e] * (dp[e] - delta[t0 + i]);
         }
         gemm<T>(false, false, nq, D, m, T(1), dP.data(), m, Lx, D, T(0), dQx + t0 * D, D);
-        gemm<T>(true, false, m, D, nq, T(1), dP.data(), m, Qx + t0 * D, D, T(1), dLx, D);
-        gemm<T>(true, false, m, D, nq, T(1), P.data(), m, dOx + t0 * D, D, T(1), dvs.data(), D);
+        gemm<T>(true, false, m, D, nq, T(1), dP.data(), m, Qx + t0 * qs, qs, T(1), dLx, D);
+        gemm<T>(true, false, m, D, nq, T(1), P.data(), m, dOx + t0 * dos, dos, T(1), dvs.data(), D);
       }
 
       // Routed experts: queries grouped by expert, as in the forward (members hold t * s + j).
@@ -797,8 +817,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         if (n_e == 0) continue;
         const int64_t* keys = E + (x * m + e) * topk;
         for (int64_t i = 0; i < kk; ++i) {
-          std::copy(Kx + keys[i] * D, Kx + (keys[i] + 1) * D, Ke.data() + i * D);
-          std::copy(Vx + keys[i] * D, Vx + (keys[i] + 1) * D, Ve.data() + i * D);
+          std::copy(Kx + keys[i] * ks, Kx + keys[i] * ks + D, Ke.data() + i * D);
+          std::copy(Vx + keys[i] * vs, Vx + keys[i] * vs + D, Ve.data() + i * D);
         }
         std::fill(dKe.begin(), dKe.end(), T(0));
         std::fill(dVe.begin(), dVe.end(), T(0));
@@ -807,8 +827,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           const int64_t nb = std::min(kQueryBlock, n_e - i0);
           for (int64_t i = 0; i < nb; ++i) {
             const int64_t t = mem[i0 + i] / s;
-            std::copy(Qx + t * D, Qx + (t + 1) * D, Qb.data() + i * D);
-            std::copy(dOx + t * D, dOx + (t + 1) * D, dOb.data() + i * D);
+            std::copy(Qx + t * qs, Qx + t * qs + D, Qb.data() + i * D);
+            std::copy(dOx + t * dos, dOx + t * dos + D, dOb.data() + i * D);
           }
           gemm<T>(false, true, nb, kk, D, T(1), Qb.data(), D, Ke.data(), D, T(0), P.data(), kk);
           gemm<T>(false, true, nb, kk, D, T(1), dOb.data(), D, Ve.data(), D, T(0), dP.data(), kk);
@@ -841,8 +861,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             dvs.data() + i * D, VSx + i * D, D);
       for (int64_t j0 = 0; j0 < Nk; j0 += kKeyBlock) {
         const int64_t nb = std::min(kKeyBlock, Nk - j0);
-        gemm<T>(false, true, m, nb, D, T(1), Lx, D, Kx + j0 * D, D, T(0), P.data(), nb);
-        gemm<T>(false, true, m, nb, D, T(1), dvs.data(), D, Vx + j0 * D, D, T(0), dP.data(), nb);
+        gemm<T>(false, true, m, nb, D, T(1), Lx, D, Kx + j0 * ks, ks, T(0), P.data(), nb);
+        gemm<T>(false, true, m, nb, D, T(1), dvs.data(), D, Vx + j0 * vs, vs, T(0), dP.data(), nb);
         for (int64_t i = 0; i < m; ++i) {
           T *p = P.data() + i * nb, *dp = dP.data() + i * nb;
           exp_sum(p, nb, scale, LA[x * m + i]);
@@ -852,7 +872,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           }
         }
         gemm<T>(true, false, nb, D, m, T(1), P.data(), nb, dvs.data(), D, T(1), dVx + j0 * D, D);
-        gemm<T>(false, false, m, D, nb, T(1), dP.data(), nb, Kx + j0 * D, D, T(1), dLx, D);
+        gemm<T>(false, false, m, D, nb, T(1), dP.data(), nb, Kx + j0 * ks, ks, T(1), dLx, D);
         gemm<T>(true, false, nb, D, m, T(1), dP.data(), nb, Lx, D, T(1), dKx + j0 * D, D);
       }
       if (bins) {  // landmarks pooled from q: their gradient (and any from outside) flows into dq
@@ -868,12 +888,19 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   });
 }
 
+// A 4-D tensor whose rows (the last dimension) are contiguous, in any layout of the others.
+bool rows_contiguous(const at::Tensor& t) {
+  return t.dim() == 4 && (t.stride(3) == 1 || t.size(3) == 1) && t.stride(0) >= 0 && t.stride(1) >= 0 &&
+         t.stride(2) >= 0;
+}
+
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& landmarks) {
   for (const auto* t : {&q, &k, &v, &landmarks}) {
-    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->dim() == 4,
-                "mita fused: q, k, v, landmarks must be contiguous 4-D CPU tensors");
+    TORCH_CHECK(t->device().is_cpu() && rows_contiguous(*t),
+                "mita fused: q, k, v, landmarks must be 4-D CPU tensors with contiguous rows (stride(-1) == 1)");
     TORCH_CHECK(t->scalar_type() == q.scalar_type(), "mita fused: q, k, v, landmarks must share one dtype");
   }
+  TORCH_CHECK(landmarks.is_contiguous(), "mita fused: landmarks must be contiguous");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, "mita fused: float32 or float64 only");
   // Every size is a divisor or a loop bound somewhere: an empty one is refused here, not met as a SIGFPE.
   TORCH_CHECK(q.numel() > 0 && k.numel() > 0 && landmarks.numel() > 0,
@@ -935,7 +962,7 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
               "mita fused: topk must be in [1, Nk = ", k.size(2), "] and num_routed in [1, m = ", m, "], got topk = ",
               topk, ", num_routed = ", num_routed);
   const auto opts = q.options();
-  at::Tensor out = at::empty_like(q), v_shared = at::empty({B, H, m, D}, opts);
+  at::Tensor out = at::empty({B, Nq, H, D}, opts).transpose(1, 2), v_shared = at::empty({B, H, m, D}, opts);
   at::Tensor lse_a = at::empty({B, H, m}, opts), lse_t = at::empty({B, H, Nq}, opts);
   at::Tensor experts = at::empty({B, H, m, topk}, opts.dtype(at::kLong));
   at::Tensor routes = at::empty({B, H, Nq, num_routed}, opts.dtype(at::kLong));
@@ -968,8 +995,10 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
                                           dlandmarks->scalar_type() == q.scalar_type() && dlandmarks->is_contiguous()),
               "mita fused: dlandmarks goes with pooling bins and must be contiguous, of the landmarks' shape and dtype");
   for (const auto* t : {&dout, &out, &v_shared, &lse_a, &lse_t})
-    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == q.scalar_type(),
-                "mita fused: dout and the saved tensors must be contiguous and of q's dtype");
+    TORCH_CHECK((t == &dout || t == &out ? rows_contiguous(*t) : t->is_contiguous()) &&
+                    t->scalar_type() == q.scalar_type(),
+                "mita fused: dout and out must have contiguous rows, the other saved tensors be contiguous, all of "
+                "q's dtype");
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes() && v_shared.sizes() == landmarks.sizes() &&
                   lse_a.sizes() == at::IntArrayRef({B, H, m}) && lse_t.sizes() == at::IntArrayRef({B, H, Nq}),
               "mita fused: dout, out, v_shared, lse_a, lse_t do not match q and the landmarks");
@@ -983,7 +1012,7 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
               "mita fused: expert key indices out of range");
   TORCH_CHECK(routes.numel() == 0 || (routes.min().item<int64_t>() >= 0 && routes.max().item<int64_t>() < m),
               "mita fused: routes out of range");
-  at::Tensor dq = at::empty_like(q), dl = at::zeros_like(landmarks);
+  at::Tensor dq = at::empty(q.sizes(), q.options()), dl = at::zeros_like(landmarks);
   at::Tensor dk = at::zeros({B, H, Nk, D}, q.options()), dv = at::zeros({B, H, Nk, D}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mita_fused_backward", [&] {
     backward_impl<scalar_t>(dout, q, k, v, landmarks, km, qm, experts, routes, out, v_shared, lse_a, lse_t, scale,
