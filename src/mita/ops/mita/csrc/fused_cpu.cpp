@@ -346,13 +346,14 @@ void small_gemm(int64_t M, int64_t N, int64_t K, const AF& a, int64_t as, const 
   for (int64_t j0 = 0; j0 < N; j0 += 4 * W) {
     const int64_t nv = std::min<int64_t>(4, (N - j0 + W - 1) / W), last = std::min(W, N - j0 - (nv - 1) * W);
     int64_t i0 = 0;
+    if (nv == 1)  // one vector a row: 8 rows keep 8 independent multiply-add chains in flight
+      for (; i0 + 8 <= M; i0 += 8) small_tile<T, 8, 1>(i0, j0, K, last, a, as, b, C, ldc, add);
     for (; i0 + 4 <= M; i0 += 4) small_rows<T, 4>(nv, i0, j0, K, last, a, as, b, C, ldc, add);
-    switch (M - i0) {
-      case 3: small_rows<T, 3>(nv, i0, j0, K, last, a, as, b, C, ldc, add); break;
-      case 2: small_rows<T, 2>(nv, i0, j0, K, last, a, as, b, C, ldc, add); break;
-      case 1: small_rows<T, 1>(nv, i0, j0, K, last, a, as, b, C, ldc, add); break;
-      default: break;
+    if (M - i0 >= 2) {
+      small_rows<T, 2>(nv, i0, j0, K, last, a, as, b, C, ldc, add);
+      i0 += 2;
     }
+    if (M - i0 == 1) small_rows<T, 1>(nv, i0, j0, K, last, a, as, b, C, ldc, add);
   }
 }
 
