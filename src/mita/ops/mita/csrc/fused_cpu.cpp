@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <functional>
 #include <numeric>
 #include <type_traits>
 #include <vector>
@@ -220,38 +221,55 @@ struct TopK {
       }
     }
     const S th = static_cast<S>(tau ^ U(kPadded));
-    int64_t ties = k - (count_at_least(kp, n, th) - std::count(kp, kp + n, th)), kept = 0;
+    const int64_t at_least = count_at_least(kp, n, th);
+    int64_t kept = 0;
     S least = std::numeric_limits<S>::max();
-    for (int64_t i = 0; i < n; ++i) {  // branch-free: which candidates survive is data-dependent
-      const S u = kp[i];
-      const bool tie = u == th, keep = u > th || (tie && ties > 0);
-      ties -= tie & keep;
-      kp[kept] = u;
-      ip[kept] = ip[i];
-      kept += keep;
-      least = keep ? std::min(least, u) : least;
+    if (at_least == k) {  // the common case: exactly the keys >= th (branch-free, as which survive is data-dependent)
+      for (int64_t i = 0; i < n; ++i) {
+        const S u = kp[i];
+        const bool keep = u >= th;
+        kp[kept] = u;
+        ip[kept] = ip[i];
+        kept += keep;
+        least = std::min(least, keep ? u : least);
+      }
+    } else {  // keys equal to th beyond the k-th: the first ones (lower indices) stay
+      int64_t ties = k - (at_least - std::count(kp, kp + n, th));
+      for (int64_t i = 0; i < n; ++i) {
+        const S u = kp[i];
+        const bool tie = u == th, keep = u > th || (tie && ties > 0);
+        ties -= tie & keep;
+        kp[kept] = u;
+        ip[kept] = ip[i];
+        kept += keep;
+        least = std::min(least, keep ? u : least);
+      }
     }
     size = kept;
     floor = least;
   }
 
   // The kept key indices, best first (like torch.topk(sorted=True)), into out: an insertion
-  // sort, k being small next to the row.
+  // sort of (key, index) packed into one unsigned integer each (float keys), k being small.
   void sorted_indices(int64_t* out) {
     cut();
-    const auto before = [](S a, int32_t i, S b, int32_t j) { return a > b || (a == b && i < j); };
-    for (int64_t i = 1; i < size; ++i) {
-      const S u = key[i];
-      const int32_t t = index[i];
-      int64_t j = i;
-      for (; j > 0 && before(u, t, key[j - 1], index[j - 1]); --j) {
-        key[j] = key[j - 1];
-        index[j] = index[j - 1];
+    if constexpr (sizeof(S) == 4) {
+      std::vector<uint64_t> packed(size);  // higher = better: key, then the lower index
+      for (int64_t i = 0; i < size; ++i)
+        packed[i] = (uint64_t(uint32_t(key[i]) ^ 0x80000000u) << 32) | (0xffffffffu - uint32_t(index[i]));
+      for (int64_t i = 1; i < size; ++i) {
+        const uint64_t p = packed[i];
+        int64_t j = i;
+        for (; j > 0 && packed[j - 1] < p; --j) packed[j] = packed[j - 1];
+        packed[j] = p;
       }
-      key[j] = u;
-      index[j] = t;
+      for (int64_t i = 0; i < size; ++i) out[i] = 0xffffffffu - uint32_t(packed[i]);
+    } else {
+      std::vector<std::pair<S, int32_t>> v(size);
+      for (int64_t i = 0; i < size; ++i) v[i] = {key[i], -index[i]};
+      std::sort(v.begin(), v.end(), std::greater<>());
+      for (int64_t i = 0; i < size; ++i) out[i] = -v[i].second;
     }
-    for (int64_t i = 0; i < size; ++i) out[i] = index[i];
   }
 };
 
