@@ -311,8 +311,8 @@ def mita_attention_fused(
     q, k, v = zero_padding(q, k, v, cfg)  # padded tokens take no part anywhere
     bins = None
     if landmarks is None:
-        if cfg.query_mask is None:  # the kernel pools, per head in cache
-            bins = pool_bins(cfg.pooling, q.shape[2])
+        if cfg.query_mask is None and not torch.compiler.is_compiling():  # the kernel pools, per head in cache
+            bins = pool_bins(cfg.pooling, q.shape[2])  # (traced code pools in Python: no cached tensors in graphs)
         else:
             landmarks = pool(q, cfg.pooling, cfg.query_mask)
     compute = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
