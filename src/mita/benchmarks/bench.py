@@ -32,18 +32,17 @@ from ..utils.machine import machine_info
 from ..utils.options import parse_assignments, parse_value, split_items
 from . import gpu
 from .report import (
-    FIELDS,
     OK,
     OTHER_SESSION,
     CsvLog,
     Row,
     add_ratios,
     crossovers,
-    fmt,
     from_other_session,
     markdown_table,
     measured_row,
     plot,
+    point_row,
     read_rows,
     session_info,
     write_rows,
@@ -205,23 +204,8 @@ def parse_caps(items: Sequence[str]) -> dict[str, int]:
 
 def new_row(series: Series, options: Mapping[str, Any], case: Case, mode: str, session: str) -> Row:
     """The row of a point before it is measured: what, where, and the options of the call."""
-    row = dict.fromkeys(FIELDS, "")
-    row.update(
-        session=session,
-        device=case.device,
-        dtype=case.dtype,
-        batch=str(case.batch),
-        heads=str(case.heads),
-        head_dim=str(case.head_dim),
-        series=series.label,
-        method=series.method.name,
-        options=format_options(options),
-        n=str(case.n),
-        mode=mode,
-    )
     flops = attention.flops({"name": series.method.name, **options}, case.n, case.head_dim)
-    row["model_flops"] = fmt(None if flops is None else flops * case.batch * case.heads)
-    return row
+    return point_row(session, case, series.label, series.method.name, format_options(options), mode, flops)
 
 
 def measure_row(row: Row, options: Mapping[str, Any], case: Case, settings: Settings) -> Row:

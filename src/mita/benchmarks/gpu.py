@@ -30,14 +30,13 @@ import torch.nn.functional as F
 from ..ops.mita import mita_attention, mita_flops
 from ..utils.machine import machine_info
 from .report import (
-    FIELDS,
     OK,
     CsvLog,
     Row,
     add_ratios,
-    fmt,
     markdown_table,
     measured_row,
+    point_row,
     session_info,
     write_rows,
 )
@@ -146,23 +145,8 @@ def make_gpu_plan(args: argparse.Namespace) -> GpuPlan:
 
 def gpu_row(label: str, method: str, options: str, case: Case, mode: str, session: str, mita_opts: dict) -> Row:
     """The row of a point before it is measured (the columns of :data:`mita.benchmarks.report.FIELDS`)."""
-    row = dict.fromkeys(FIELDS, "")
     per_head = mita_flops(case.n, case.head_dim, **mita_opts) if method == "mita" else 4.0 * case.n**2 * case.head_dim
-    row.update(
-        session=session,
-        device=case.device,
-        dtype=case.dtype,
-        batch=str(case.batch),
-        heads=str(case.heads),
-        head_dim=str(case.head_dim),
-        series=label,
-        method=method,
-        options=options,
-        n=str(case.n),
-        mode=mode,
-        model_flops=fmt(per_head * case.batch * case.heads),
-    )
-    return row
+    return point_row(session, case, label, method, options, mode, per_head)
 
 
 def run_gpu(args: argparse.Namespace, prepare_out_dir: Callable[..., Path]) -> int:

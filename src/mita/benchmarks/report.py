@@ -11,7 +11,10 @@ import datetime
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .timing import Case
 
 FIELDS = (
     "session",
@@ -47,6 +50,29 @@ def fmt(x: float | int | None) -> str:
     if x is None:
         return ""
     return str(x) if isinstance(x, int) else f"{x:.6g}"
+
+
+def point_row(
+    session: str, case: Case, series: str, method: str, options: str, mode: str, flops_per_head: float | None
+) -> Row:
+    """The row of a point before it is measured: what, where, the call's options, and the FLOP
+    model of the whole batch (``flops_per_head`` times B and H; None: not modelled)."""
+    row = dict.fromkeys(FIELDS, "")
+    row.update(
+        session=session,
+        device=case.device,
+        dtype=case.dtype,
+        batch=str(case.batch),
+        heads=str(case.heads),
+        head_dim=str(case.head_dim),
+        series=series,
+        method=method,
+        options=options,
+        n=str(case.n),
+        mode=mode,
+        model_flops=fmt(None if flops_per_head is None else flops_per_head * case.batch * case.heads),
+    )
+    return row
 
 
 def num(cell: str) -> float | None:
