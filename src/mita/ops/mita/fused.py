@@ -270,7 +270,7 @@ class _FusedMiTA(torch.autograd.Function):
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """t itself when its rows (last dimension) are contiguous, whatever its other strides, else a copy:
     the kernels read any such layout (q, k, v of a timm block are views of one qkv buffer)."""
-    return t if t.stride(-1) == 1 and min(t.stride()) >= 0 else t.contiguous()
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _masks(cfg: MiTAConfig) -> tuple[torch.Tensor | None, torch.Tensor | None]:

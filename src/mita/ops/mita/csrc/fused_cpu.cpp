@@ -909,8 +909,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
 
 // A 4-D tensor whose rows (the last dimension) are contiguous, in any layout of the others.
 bool rows_contiguous(const at::Tensor& t) {
-  return t.dim() == 4 && (t.stride(3) == 1 || t.size(3) == 1) && t.stride(0) >= 0 && t.stride(1) >= 0 &&
-         t.stride(2) >= 0;
+  return t.dim() == 4 && (t.stride(3) == 1 || t.size(3) == 1);
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& landmarks) {
