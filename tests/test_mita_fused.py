@@ -258,17 +258,18 @@ def test_both_schedules_agree_with_the_reference() -> None:
         torch.set_num_threads(threads)
 
 
-def test_top_k_ties_and_signed_zeros_keep_the_lower_index() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_top_k_ties_and_signed_zeros_keep_the_lower_index(dtype) -> None:
     """Equal scores (+0 and -0 included) go to the lower key index (a stable sort's order; torch.topk
     leaves ties unordered); past the key block (512) the candidate buffer is cut many times
-    (scores rising along the keys)."""
+    (scores rising along the keys). float32 keeps k <= 256 in order by counting, above by a sort."""
     B, H, N, D = 1, 1, 1200, 2
-    k = torch.zeros(B, H, N, D, dtype=torch.float64)
-    k[..., 0] = torch.arange(N, dtype=torch.float64).remainder(7)  # many ties
-    k[..., 1] = torch.arange(N, dtype=torch.float64) / N  # rising: each block replaces the best
-    landmarks = torch.tensor([[[[1.0, 0.0], [0.0, 1.0], [-0.0, 0.0]]]], dtype=torch.float64)
-    q, v = torch.randn(B, H, N, D, dtype=torch.float64), torch.randn(B, H, N, D, dtype=torch.float64)
-    for topk in (1, 30, 600):
+    k = torch.zeros(B, H, N, D, dtype=dtype)
+    k[..., 0] = torch.arange(N, dtype=dtype).remainder(7)  # many ties
+    k[..., 1] = torch.arange(N, dtype=dtype) / N  # rising: each block replaces the best
+    landmarks = torch.tensor([[[[1.0, 0.0], [0.0, 1.0], [-0.0, 0.0]]]], dtype=dtype)
+    q, v = torch.randn(B, H, N, D, dtype=dtype), torch.randn(B, H, N, D, dtype=dtype)
+    for topk in (1, 30, 256, 257, 600):
         _, r = mita_attention(
             q, k, v, num_landmarks=3, topk=topk, landmarks=landmarks, impl="fused", return_routing=True
         )
