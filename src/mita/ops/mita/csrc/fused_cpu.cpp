@@ -27,6 +27,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
 extern "C" {
 void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*, const int*,
             const float*, const int*, const float*, float*, const int*);
@@ -225,7 +229,23 @@ struct TopK {
     int64_t kept = 0;
     S least = std::numeric_limits<S>::max();
     if (at_least == k) {  // the common case: exactly the keys >= th (branch-free, as which survive is data-dependent)
-      for (int64_t i = 0; i < n; ++i) {
+      int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+      if constexpr (sizeof(S) == 4) {  // 16 at a time: the survivors of each vector packed by one compress
+        const __m512i vth = _mm512_set1_epi32(th);
+        __m512i low = _mm512_set1_epi32(std::numeric_limits<int32_t>::max());
+        for (; i + 16 <= n; i += 16) {  // kept <= i: the stores reach no key not yet loaded
+          const __m512i u = _mm512_loadu_si512(kp + i), ix = _mm512_loadu_si512(ip + i);
+          const __mmask16 keep = _mm512_cmpge_epi32_mask(u, vth);
+          _mm512_storeu_si512(kp + kept, _mm512_maskz_compress_epi32(keep, u));
+          _mm512_storeu_si512(ip + kept, _mm512_maskz_compress_epi32(keep, ix));
+          low = _mm512_mask_min_epi32(low, keep, low, u);
+          kept += __builtin_popcount(keep);
+        }
+        least = _mm512_reduce_min_epi32(low);
+      }
+#endif
+      for (; i < n; ++i) {
         const S u = kp[i];
         const bool keep = u >= th;
         kp[kept] = u;
