@@ -857,24 +857,31 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             dOx + t * dos, Ox + t * os, D);
       std::fill(dvs.begin(), dvs.end(), T(0));
 
-      // Shared expert: logits ls * q.q~, values v~.
+      // Shared expert: logits ls * q.q~, values v~; transposed as in the forward's gate (m x nq,
+      // the queries as lanes).
       for (int64_t t0 = 0; t0 < Nq; t0 += kQueryBlock) {
-        const int64_t nq = std::min(kQueryBlock, Nq - t0);
-        gemm<T>(false, true, nq, m, D, T(1), Qx + t0 * qs, qs, Lx, D, T(0), P.data(), m);
-        gemm<T>(false, true, nq, m, D, T(1), dOx + t0 * dos, dos, VSx, D, T(0), dP.data(), m);
-        for (int64_t i = 0; i < nq; ++i) {
-          T *p = P.data() + i * m, *dp = dP.data() + i * m;
-          if (qm && !qm[t0 + i]) {
-            std::fill(p, p + m, T(0));
-            std::fill(dp, dp + m, T(0));
-            continue;
+        using V = Vectorized<T>;
+        const int64_t nq = std::min(kQueryBlock, Nq - t0), ld = (nq + V::size() - 1) / V::size() * V::size();
+        T *Pt = P.data(), *dPt = dP.data();
+        gemm<T>(false, true, m, nq, D, T(1), Lx, D, Qx + t0 * qs, qs, T(0), Pt, ld);
+        gemm<T>(false, true, m, nq, D, T(1), VSx, D, dOx + t0 * dos, dos, T(0), dPt, ld);
+        const V vls(lscale);
+        for (int64_t i0 = 0; i0 < nq; i0 += V::size()) {
+          const int64_t c = std::min<int64_t>(V::size(), nq - i0);
+          const V lse = V::loadu(LTx + t0 + i0, c), dl = V::loadu(delta.data() + t0 + i0, c);
+          for (int64_t e = 0; e < m; ++e) {
+            const V p = vexp(V::loadu(Pt + e * ld + i0) * vls - lse);
+            p.store(Pt + e * ld + i0);
+            (vls * p * (V::loadu(dPt + e * ld + i0) - dl)).store(dPt + e * ld + i0);
           }
-          exp_sum(p, m, lscale, LTx[t0 + i]);
-          for (int64_t e = 0; e < m; ++e) dp[e] = lscale * p[e] * (dp[e] - delta[t0 + i]);
         }
-        gemm<T>(false, false, nq, D, m, T(1), dP.data(), m, Lx, D, T(0), dQx + t0 * D, D);
-        gemm<T>(true, false, m, D, nq, T(1), dP.data(), m, Qx + t0 * qs, qs, T(1), dLx, D);
-        gemm<T>(true, false, m, D, nq, T(1), P.data(), m, dOx + t0 * dos, dos, T(1), dvs.data(), D);
+        if (qm)
+          for (int64_t i = 0; i < nq; ++i)
+            if (!qm[t0 + i])
+              for (int64_t e = 0; e < m; ++e) Pt[e * ld + i] = dPt[e * ld + i] = T(0);
+        gemm<T>(true, false, nq, D, m, T(1), dPt, ld, Lx, D, T(0), dQx + t0 * D, D);
+        gemm<T>(false, false, m, D, nq, T(1), dPt, ld, Qx + t0 * qs, qs, T(1), dLx, D);
+        gemm<T>(false, false, m, D, nq, T(1), Pt, ld, dOx + t0 * dos, dos, T(1), dvs.data(), D);
       }
 
       // Routed experts: queries grouped by expert, as in the forward (members hold t * s + j).
