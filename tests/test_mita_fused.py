@@ -96,13 +96,18 @@ def test_fused_float32_is_deterministic_and_reads_no_uninitialised_memory() -> N
     old = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory)
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = True
-    try:
-        with torch.no_grad():
-            runs = [mita_attention(q, k, v, **case.kwargs(mask), impl="fused") for _ in range(2)]
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    grad = torch.randn_like(q)
+    try:  # the backward writes dk and dv without zero-filling them first: every row must be written
+        runs = []
+        for _ in range(2):
+            out = mita_attention(q, k, v, **case.kwargs(mask), impl="fused")
+            runs.append((out, *torch.autograd.grad(out, leaves, grad)))
     finally:
         torch.use_deterministic_algorithms(old[0])
         torch.utils.deterministic.fill_uninitialized_memory = old[1]
-    assert torch.isfinite(runs[0]).all() and torch.equal(runs[0], runs[1])
+    for a, b in zip(*runs):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
 
 
 def test_switched_off_falls_back_to_grouped(fresh_state, monkeypatch, spy) -> None:

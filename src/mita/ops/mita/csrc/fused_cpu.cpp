@@ -816,6 +816,8 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // Backward of the joint softmax of step 6 and of V~ = softmax(s0 L K^T) V, per head x (one
 // task per head: dq, dlandmarks and the head's dk, dv rows have one writer). p are the joint
 // probabilities exp(logit - lse_t); with delta = <dout, out> per query, d logit = p (dp - delta).
+// Order: the shared expert (dq written), the shared values (dk, dv written), the routed experts
+// (added in).
 template <typename T>
 void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& lm, const bool* key_mask, const bool* query_mask, const at::Tensor& experts,
@@ -884,6 +886,28 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         gemm<T>(false, false, m, D, nq, T(1), Pt, ld, dOx + t0 * dos, dos, T(1), dvs.data(), D);
       }
 
+      // Shared values v~ = softmax(s0 A) V, by key blocks: P_A recomputed from its log-sum-exp. It
+      // covers every key, so it writes the head's dk and dv rows first (no zero-fill of them).
+      for (int64_t i = 0; i < m; ++i)
+        rowdot[i] = at::vec::map2_reduce_all<T>(
+            [](Vectorized<T> a, Vectorized<T> c) { return a * c; }, [](Vectorized<T> a, Vectorized<T> c) { return a + c; },
+            dvs.data() + i * D, VSx + i * D, D);
+      for (int64_t j0 = 0; j0 < Nk; j0 += kKeyBlock) {
+        const int64_t nb = std::min(kKeyBlock, Nk - j0);
+        gemm<T>(false, true, m, nb, D, T(1), Lx, D, Kx + j0 * ks, ks, T(0), P.data(), nb);
+        gemm<T>(false, true, m, nb, D, T(1), dvs.data(), D, Vx + j0 * vs, vs, T(0), dP.data(), nb);
+        for (int64_t i = 0; i < m; ++i) {
+          T *p = P.data() + i * nb, *dp = dP.data() + i * nb;
+          exp_sum(p, nb, scale, LA[x * m + i]);
+          for (int64_t j = 0; j < nb; ++j) {
+            if (km && !km[j0 + j]) p[j] = T(0);
+            dp[j] = scale * p[j] * (dp[j] - rowdot[i]);
+          }
+        }
+        gemm<T>(true, false, nb, D, m, T(1), P.data(), nb, dvs.data(), D, T(0), dVx + j0 * D, D);
+        gemm<T>(false, false, m, D, nb, T(1), dP.data(), nb, Kx + j0 * ks, ks, T(1), dLx, D);
+        gemm<T>(true, false, nb, D, m, T(1), dP.data(), nb, Lx, D, T(0), dKx + j0 * D, D);
+      }
       // Routed experts: queries grouped by expert, as in the forward (members hold t * s + j).
       group_by_expert(R + x * Nq * s, qm, Nq, s, m, start.data(), members.data());
       for (int64_t e = 0; e < m; ++e) {
@@ -928,27 +952,6 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           }
       }
 
-      // Shared values v~ = softmax(s0 A) V, by key blocks: P_A recomputed from its log-sum-exp.
-      for (int64_t i = 0; i < m; ++i)
-        rowdot[i] = at::vec::map2_reduce_all<T>(
-            [](Vectorized<T> a, Vectorized<T> c) { return a * c; }, [](Vectorized<T> a, Vectorized<T> c) { return a + c; },
-            dvs.data() + i * D, VSx + i * D, D);
-      for (int64_t j0 = 0; j0 < Nk; j0 += kKeyBlock) {
-        const int64_t nb = std::min(kKeyBlock, Nk - j0);
-        gemm<T>(false, true, m, nb, D, T(1), Lx, D, Kx + j0 * ks, ks, T(0), P.data(), nb);
-        gemm<T>(false, true, m, nb, D, T(1), dvs.data(), D, Vx + j0 * vs, vs, T(0), dP.data(), nb);
-        for (int64_t i = 0; i < m; ++i) {
-          T *p = P.data() + i * nb, *dp = dP.data() + i * nb;
-          exp_sum(p, nb, scale, LA[x * m + i]);
-          for (int64_t j = 0; j < nb; ++j) {
-            if (km && !km[j0 + j]) p[j] = T(0);
-            dp[j] = scale * p[j] * (dp[j] - rowdot[i]);
-          }
-        }
-        gemm<T>(true, false, nb, D, m, T(1), P.data(), nb, dvs.data(), D, T(1), dVx + j0 * D, D);
-        gemm<T>(false, false, m, D, nb, T(1), dP.data(), nb, Kx + j0 * ks, ks, T(1), dLx, D);
-        gemm<T>(true, false, nb, D, m, T(1), dP.data(), nb, Lx, D, T(1), dKx + j0 * D, D);
-      }
       if (bins) {  // landmarks pooled from q: their gradient (and any from outside) flows into dq
         if (dl_extra) {
           const T* extra = dl_extra->data_ptr<T>() + x * m * D;
@@ -1086,7 +1089,7 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
   TORCH_CHECK(routes.numel() == 0 || (routes.min().item<int64_t>() >= 0 && routes.max().item<int64_t>() < m),
               "mita fused: routes out of range");
   at::Tensor dq = at::empty(q.sizes(), q.options()), dl = at::zeros_like(landmarks);
-  at::Tensor dk = at::zeros({B, H, Nk, D}, q.options()), dv = at::zeros({B, H, Nk, D}, q.options());
+  at::Tensor dk = at::empty({B, H, Nk, D}, q.options()), dv = at::empty({B, H, Nk, D}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mita_fused_backward", [&] {
     backward_impl<scalar_t>(dout, q, k, v, landmarks, km, qm, experts, routes, out, v_shared, lse_a, lse_t, scale,
                             landmark_scale, bins, dlandmarks.has_value() ? &*dlandmarks : nullptr, dq, dk, dv, dl);
