@@ -1,0 +1,135 @@
+"""Two or more versions of the fused CPU kernel, timed side by side in one process.
+
+Each source is built under its own operator namespace (``mitaab0``, ``mitaab1``, ...), the
+outputs and gradients of every version are checked against the first's, then the calls are
+timed in alternating rounds (medians), so that a noisy machine moves every version alike.
+The cases are the issue-11 presets (deit224, deit512) and the standard configuration:
+    git show HEAD~3:src/mita/ops/mita/csrc/fused_cpu.cpp > /tmp/old.cpp
+    python scripts/kernel_ab.py /tmp/old.cpp src/mita/ops/mita/csrc/fused_cpu.cpp --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load
+
+from mita.ops.mita import fused
+from mita.ops.mita.config import check
+from mita.ops.pooling import pool_bins
+
+# name: (B, H, N, m = k, grid, prefix tokens)
+CASES = {
+    "deit224": (16, 6, 197, 25, (14, 14), 1),
+    "deit512": (4, 6, 1025, 49, (32, 32), 1),
+    "standard4096": (1, 8, 4096, 64, None, 0),
+    "standard16384": (1, 8, 16384, 64, None, 0),
+}
+
+
+def build(sources: list[str], folder: Path) -> list[object]:
+    """Each source compiled (ninja skips unchanged ones) and loaded; returns their torch.ops namespaces."""
+    spaces = []
+    for i, src in enumerate(sources):
+        name = f"mitaab{i}"
+        text = Path(src).read_text().replace("TORCH_LIBRARY(mita,", f"TORCH_LIBRARY({name},")
+        text = text.replace("TORCH_LIBRARY_IMPL(mita,", f"TORCH_LIBRARY_IMPL({name},")
+        build_dir = folder / name
+        build_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if why := fused.unsafe_reason(build_dir):  # as the kernel cache: load no code another user could swap
+            raise SystemExit(f"kernel_ab: {why}; pass --build with a folder of your own")
+        copy = build_dir / "fused_cpu.cpp"
+        if not copy.exists() or copy.read_text() != text:
+            copy.write_text(text)
+        flags = fused._cflags()
+        load(
+            name=name,
+            sources=[str(copy)],
+            build_directory=str(build_dir),
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+        spaces.append(getattr(torch.ops, name))
+    return spaces
+
+
+def time_case(case: str, spaces: list[object], modes: list[str], rounds: int) -> None:
+    """Checks every version against the first on one case, then prints their medians and ratios."""
+    B, H, N, m, grid, prefix = CASES[case]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(B, H, N, 64, generator=gen) for _ in range(4))
+    cfg = check(
+        q,
+        k,
+        v,
+        num_landmarks=m,
+        topk=m,
+        num_routed=1,
+        grid=grid,
+        num_prefix_tokens=prefix,
+        key_padding_mask=None,
+        query_padding_mask=None,
+        scale=None,
+        landmark_scale=None,
+        landmarks=None,
+        branches="both",
+        dropout_p=0.0,
+    )
+    bins = pool_bins(cfg.pooling, N)
+    fwd_args = (q, k, v, None, None, None, m, 1, cfg.scale, cfg.landmark_scale, *bins)
+
+    def backward(ns: object, saved: list[torch.Tensor]) -> list[torch.Tensor]:
+        out, experts, routes, lm, v_shared, lse_a, lse_t = saved
+        args = (dout, q, k, v, lm, None, None, experts, routes, out, v_shared, lse_a, lse_t)
+        return ns.fused_backward(*args, cfg.scale, cfg.landmark_scale, *bins)
+
+    saved = [ns.fused_forward(*fwd_args) for ns in spaces]
+    grads = [backward(ns, s) for ns, s in zip(spaces, saved)]
+    for i in range(1, len(spaces)):
+        for a, b in zip(saved[0] + grads[0], saved[i] + grads[i]):
+            same = torch.equal(a, b) if a.dtype == torch.long else torch.allclose(a, b, rtol=1e-3, atol=1e-4)
+            if not same:
+                raise SystemExit(f"{case}: version {i} disagrees with version 0")
+    for mode in modes:
+        if mode == "fwd":
+            calls = [functools.partial(ns.fused_forward, *fwd_args) for ns in spaces]
+        else:
+            calls = [functools.partial(backward, ns, s) for ns, s in zip(spaces, saved)]
+        t0 = time.perf_counter()
+        calls[0]()
+        reps = max(1, int(0.2 / (time.perf_counter() - t0)))
+        times: list[list[float]] = [[] for _ in calls]
+        for _ in range(rounds):
+            for call, ts in zip(calls, times):
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    call()
+                ts.append((time.perf_counter() - t0) / reps)
+        med = [statistics.median(ts) for ts in times]
+        cells = "  ".join(f"v{i} {t * 1e3:.2f} ms ({t / med[0]:.3f})" for i, t in enumerate(med))
+        print(f"{case} {mode} ({torch.get_num_threads()} threads, {rounds} rounds): {cells}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("sources", nargs="+", help="fused_cpu.cpp versions; ratios are to the first")
+    p.add_argument("--cases", nargs="+", default=["deit224", "deit512"], choices=list(CASES))
+    p.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=11)
+    p.add_argument("--build", type=Path, default=fused.cache_root() / "kernel-ab", help="build folder (yours)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    spaces = build(args.sources, args.build)
+    for case in args.cases:
+        time_case(case, spaces, args.modes, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
