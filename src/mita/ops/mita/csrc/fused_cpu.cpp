@@ -401,6 +401,14 @@ void small_gemm(int64_t M, int64_t N, int64_t K, const AF& a, int64_t as, const 
   }
 }
 
+// Asks for a row gathered by index (an expert's keys, values, queries) ahead of its use: the
+// hardware prefetcher cannot guess such rows (4-5% off the forward at N = 1,025; in the backward,
+// whose gathers are copies, it measured no gain).
+template <typename T>
+inline void prefetch_row(const T* row, int64_t D) {
+  for (int64_t c = 0; c < D; c += 64 / int64_t(sizeof(T))) __builtin_prefetch(row + c);
+}
+
 // Up to this many multiply-adds (queries x keys x D) an expert's products skip BLAS.
 constexpr int64_t kSmallProduct = int64_t(1) << 17;
 
@@ -656,6 +664,11 @@ struct Forward {
     const T* Vx = vx(x);
     T *Qt = sc.Qb.data(), *St = sc.Sb.data();
     const int64_t ld = (nb + V::size() - 1) / V::size() * V::size();  // whole vectors: no masked loads
+    for (int64_t i = 0; i < nb; ++i) prefetch_row(qx(x) + (mem[i] / s) * qr.st, D);
+    for (int64_t j = 0; j < kk; ++j) {
+      prefetch_row(Kx + keys[j] * kr.st, D);
+      prefetch_row(Vx + keys[j] * vr.st, D);
+    }
     for (int64_t d = 0; d < D; ++d) std::fill(Qt + d * ld + nb, Qt + (d + 1) * ld, T(0));
     for (int64_t i = 0; i < nb; ++i) {  // the queries as columns, scaled
       const T* row = qx(x) + (mem[i] / s) * qr.st;
@@ -908,19 +921,20 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         gemm<T>(false, false, m, D, nb, T(1), dP.data(), nb, Kx + j0 * ks, ks, T(1), dLx, D);
         gemm<T>(true, false, nb, D, m, T(1), dP.data(), nb, Lx, D, T(0), dKx + j0 * D, D);
       }
+
       // Routed experts: queries grouped by expert, as in the forward (members hold t * s + j).
       group_by_expert(R + x * Nq * s, qm, Nq, s, m, start.data(), members.data());
       for (int64_t e = 0; e < m; ++e) {
         const int64_t n_e = start[e + 1] - start[e];
         if (n_e == 0) continue;
         const int64_t* keys = E + (x * m + e) * topk;
+        const int64_t* mem = members.data() + start[e];
         for (int64_t i = 0; i < kk; ++i) {
           std::copy(Kx + keys[i] * ks, Kx + keys[i] * ks + D, Ke.data() + i * D);
           std::copy(Vx + keys[i] * vs, Vx + keys[i] * vs + D, Ve.data() + i * D);
         }
         std::fill(dKe.begin(), dKe.end(), T(0));
         std::fill(dVe.begin(), dVe.end(), T(0));
-        const int64_t* mem = members.data() + start[e];
         for (int64_t i0 = 0; i0 < n_e; i0 += kQueryBlock) {
           const int64_t nb = std::min(kQueryBlock, n_e - i0);
           for (int64_t i = 0; i < nb; ++i) {
