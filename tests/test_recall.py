@@ -105,6 +105,34 @@ def test_task_data_shifts_ids_and_labels():
     assert torch.equal(split.labels[keep], targets[keep] - 8) and (split.labels[~keep] == IGN).all()
 
 
+@pytest.mark.parametrize("form", gen.FORMS)
+def test_length_mixture_pads_and_masks_the_short_sequences(form):
+    spec = gen.RecallSpec(64, 12, 40, form)
+    assert [(s.seq_len, s.num_pairs) for s in gen.mix_specs(spec, [32, 16, 16])] == [(16, 4), (32, 8), (64, 12)]
+    tokens, targets, lengths = gen.generate_mix(spec, [16, 32], 100, seed=5)
+    assert tokens.shape[:2] == targets.shape == (100, 64) and lengths.tolist() == [16] * 34 + [32] * 33 + [64] * 33
+    b, tb, _ = gen.generate_mix(spec, [16, 32], 100, seed=5)
+    assert torch.equal(tokens, b) and torch.equal(targets, tb)  # seeded
+    for row, tgt, n in zip(tokens.long(), targets.long(), lengths.tolist()):
+        assert (row[n:] == gen.PAD).all() and (tgt[n:] == IGN).all() and (row[:n] >= 0).all()
+        assert (tgt != IGN).sum() == min(12, n // 4)  # P_i = min(P, N_i // 4) queries
+    short = gen.generate(gen.RecallSpec(16, 4, 40, form), 34, 5 + 1_000_000)
+    assert torch.equal(tokens[:34, :16], short[0]) and torch.equal(targets[:34, :16], short[1])
+    with pytest.raises(ValueError, match="train lengths"):
+        gen.mix_specs(spec, [64])
+
+
+def test_task_data_length_mixture_only_in_train():
+    base = ["data.seq_len=32", "data.num_pairs=4", "data.vocab_size=16", "data.num_train=30", "data.num_val=8"]
+    d = task.task_data(task.config(overrides=[*base, "data.train_lengths=[16]"])["data"])
+    train_split, val = d.splits["train"], d.splits["val"]
+    assert train_split.lengths.tolist() == [16] * 15 + [32] * 15 and (val.lengths == 32).all()
+    assert (train_split.tokens[:15, 16:] == 0).all()  # padding id 0: masked by the encoder
+    assert (train_split.tokens[:15, :16, 0] >= 1).all() and (train_split.tokens[15:, :, 0] >= 1).all()
+    plain = task.task_data(task.config(overrides=base)["data"])
+    assert torch.equal(plain.splits["val"].tokens, val.tokens)  # val and test do not change
+
+
 DATA = ["data.seq_len=12", "data.num_pairs=2", "data.vocab_size=8", "data.num_train=512", "data.num_val=64"]
 DATA += ["data.num_test=128", "model.dim=16", "model.mlp_dim=32", "model.head_dim=8", "train.batch_size=16"]
 TINY = [*DATA, "train.steps=80", "train.warmup=10", "train.lr=0.01", "train.eval_batch_size=128"]

@@ -34,6 +34,9 @@ import numpy as np
 import torch
 
 IGNORE = -100
+#: the token of the positions past a sequence's end in a length mixture (``generate_mix``): not
+#: filler, but padding that the model masks out
+PAD = -1
 CHUNK = 1024
 FORMS = ("onehop", "interleaved")
 SPLITS = ("train", "val", "test")
@@ -119,6 +122,37 @@ def generate(spec: RecallSpec, num: int, seed: int = 0) -> tuple[torch.Tensor, t
         shape = (0, spec.seq_len, 2) if spec.form == "onehop" else (0, spec.seq_len)
         return torch.zeros(shape, dtype=torch.int16), torch.zeros(0, spec.seq_len, dtype=torch.int16)
     return torch.cat(tok_parts), torch.cat(tgt_parts)
+
+
+def mix_specs(spec: RecallSpec, lengths: list[int]) -> list[RecallSpec]:
+    """The settings of a length mixture: ``spec`` at each shorter N_i of ``lengths`` with
+    P_i = min(P, N_i // 4) pairs (the same vocabulary and form), then ``spec`` itself."""
+    out = []
+    for n in sorted({int(n) for n in lengths}):
+        if not 4 <= n < spec.seq_len:
+            raise ValueError(f"train lengths must be in 4 .. seq_len-1 = {spec.seq_len - 1}, got {n}")
+        out.append(RecallSpec(n, min(spec.num_pairs, n // 4), spec.vocab_size, spec.form))
+    return [*out, spec]
+
+
+def generate_mix(
+    spec: RecallSpec, lengths: list[int], num: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``num`` sequences in equal shares over the settings of ``mix_specs(spec, lengths)``, each
+    padded with ``PAD`` to N (targets ``IGNORE`` there): tokens and targets as ``generate``, and
+    the real length of each sequence. Setting i is drawn with the seed ``seed + 1_000_000 * (i + 1)``
+    (streams apart from the splits' own seeds)."""
+    specs = mix_specs(spec, lengths)
+    shares = [num // len(specs) + (i < num % len(specs)) for i in range(len(specs))]
+    toks, tgts, lens = [], [], []
+    for i, (s, n) in enumerate(zip(specs, shares)):
+        tokens, targets = generate(s, n, seed + 1_000_000 * (i + 1))
+        pad = spec.seq_len - s.seq_len
+        tokens = torch.nn.functional.pad(tokens, (0, 0, 0, pad) if tokens.dim() == 3 else (0, pad), value=PAD)
+        toks.append(tokens)
+        tgts.append(torch.nn.functional.pad(targets, (0, pad), value=IGNORE))
+        lens.append(torch.full((n,), s.seq_len, dtype=torch.long))
+    return torch.cat(toks), torch.cat(tgts), torch.cat(lens)
 
 
 def split_seeds(seed: int) -> dict[str, int]:
