@@ -551,7 +551,7 @@ struct Forward {
   }
 
   // B: gate, routes and the shared branch of queries t0 .. t0+nq of head x. The gates are
-  // computed transposed, G^T = L Q^T (m x nq: MKL runs this shape about 1.7x faster than Q L^T at
+  // computed transposed, G^T = L Q^T (m x nq: MKL ran this shape 1.2-1.7x faster than Q L^T at
   // m = 49), so that the argmax and the softmax over the m landmarks run with the queries as lanes.
   void gate(int64_t x, int64_t t0, int64_t nq, Scratch& sc) const {
     using V = Vectorized<T>;
