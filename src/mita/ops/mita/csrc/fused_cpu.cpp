@@ -124,6 +124,13 @@ std::pair<T, T> exp_row(T* x, int64_t n, T a) {
   return {exp_sum(x, n, a, mx), mx};
 }
 
+// n rounded up to whole vectors of T (buffers read and written a vector at a time).
+template <typename T>
+constexpr int64_t whole_vectors(int64_t n) {
+  constexpr int64_t w = Vectorized<T>::size();
+  return (n + w - 1) / w * w;
+}
+
 // A signed integer key with the order of the floating-point values (-0 as +0; NaN of either sign
 // at an end). The least key, INT_MIN, marks padded keys: real ones are clamped above it.
 inline int32_t order_key(float f) {
@@ -154,12 +161,6 @@ struct TopK {
   int32_t* index;  // and their key indices
   int64_t k = 0, cap = 0, size = 0;
   S floor = kPadded;  // a candidate needs a key above it
-
-  // n rounded up to whole vectors: the key buffer holds cap + one vector.
-  static int64_t pad(int64_t n) {
-    constexpr int64_t w = Vectorized<S>::size();
-    return (n + w - 1) / w * w;
-  }
 
   // Offer keys j0 .. j0+n-1 with scores x; `real` (or null) marks the keys that take part.
   // `scratch` holds n keys.
@@ -213,7 +214,7 @@ struct TopK {
     S* const kp = key;
     int32_t* const ip = index;
     const int64_t n = size;
-    std::fill(kp + n, kp + pad(n), kPadded);
+    std::fill(kp + n, kp + whole_vectors<S>(n), kPadded);
     // The k-th largest key, bit by bit from the top in the unsigned order (u = key ^ min).
     U tau = 0;
     for (int bit = 8 * sizeof(U) - 1; bit >= 0; --bit) {
@@ -511,7 +512,7 @@ struct Forward {
     std::fill(acc, acc + nr * D, T(0));
     std::fill(sc.mx.begin(), sc.mx.begin() + nr, ninf);
     std::fill(sc.sum.begin(), sc.sum.begin() + nr, T(0));
-    const int64_t cap = topk + kKeyBlock, stride = TopK<T>::pad(cap) + Vectorized<Key>::size();
+    const int64_t cap = topk + kKeyBlock, stride = whole_vectors<Key>(cap) + Vectorized<Key>::size();
     std::vector<TopK<T>> best(nr);
     for (int64_t r = 0; r < nr; ++r) best[r] = {sc.keys.data() + r * stride, sc.index.data() + r * stride, kk, cap};
     T* S = sc.S.data();
@@ -557,7 +558,7 @@ struct Forward {
     using V = Vectorized<T>;
     const T ninf = -std::numeric_limits<T>::infinity();
     const bool* qm = query_mask ? query_mask + (x / H) * Nq : nullptr;
-    const int64_t ld = (nq + V::size() - 1) / V::size() * V::size();
+    const int64_t ld = whole_vectors<T>(nq);
     T* Gt = sc.Gt.data();
     gemm<T>(false, true, m, nq, D, T(1), L + x * m * D, D, qx(x) + t0 * qr.st, qr.st, T(0), Gt, ld);
     for (int64_t e = 0; e < m; ++e) std::fill(Gt + e * ld + nq, Gt + (e + 1) * ld, T(0));  // whole vectors
@@ -663,7 +664,7 @@ struct Forward {
     const T* Kx = kx(x);
     const T* Vx = vx(x);
     T *Qt = sc.Qb.data(), *St = sc.Sb.data();
-    const int64_t ld = (nb + V::size() - 1) / V::size() * V::size();  // whole vectors: no masked loads
+    const int64_t ld = whole_vectors<T>(nb);  // no masked loads
     for (int64_t i = 0; i < nb; ++i) prefetch_row(qx(x) + (mem[i] / s) * qr.st, D);
     for (int64_t j = 0; j < kk; ++j) {
       prefetch_row(Kx + keys[j] * kr.st, D);
@@ -876,7 +877,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
       // the queries as lanes).
       for (int64_t t0 = 0; t0 < Nq; t0 += kQueryBlock) {
         using V = Vectorized<T>;
-        const int64_t nq = std::min(kQueryBlock, Nq - t0), ld = (nq + V::size() - 1) / V::size() * V::size();
+        const int64_t nq = std::min(kQueryBlock, Nq - t0), ld = whole_vectors<T>(nq);
         T *Pt = P.data(), *dPt = dP.data();
         gemm<T>(false, true, m, nq, D, T(1), Lx, D, Qx + t0 * qs, qs, T(0), Pt, ld);
         gemm<T>(false, true, m, nq, D, T(1), VSx, D, dOx + t0 * dos, dos, T(0), dPt, ld);
