@@ -530,26 +530,26 @@ struct Bins {
 // adaptive_avg_pool does).
 template <typename T>
 void pool_head(const T* Qx, int64_t st, int64_t m, int64_t D, Bins bins, T* Lx) {
-  using V = Vectorized<T>;
   for (int64_t i = 0; i < m; ++i) {
     T* l = Lx + i * D;
     std::fill(l, l + D, T(0));
-    for (int64_t p = bins.offsets[i]; p < bins.offsets[i + 1]; ++p)
-      at::vec::map2([](V a, V b) { return a + b; }, l, l, Qx + bins.tokens[p] * st, D);
-    const V n(static_cast<T>(bins.offsets[i + 1] - bins.offsets[i]));
-    at::vec::map([n](V a) { return a / n; }, l, l, D);
+    for (int64_t p = bins.offsets[i]; p < bins.offsets[i + 1]; ++p) {
+      const T* row = Qx + bins.tokens[p] * st;
+      for (int64_t d = 0; d < D; ++d) l[d] += row[d];
+    }
+    const T n = static_cast<T>(bins.offsets[i + 1] - bins.offsets[i]);
+    for (int64_t d = 0; d < D; ++d) l[d] /= n;
   }
 }
 
 // The transpose of pool_head: dQx[t] += dLx[i] / |bin i| for the tokens t of bin i.
 template <typename T>
 void unpool_head(const T* dLx, int64_t m, int64_t D, Bins bins, T* dQx) {
-  using V = Vectorized<T>;
   for (int64_t i = 0; i < m; ++i) {
-    const V w(T(1) / static_cast<T>(bins.offsets[i + 1] - bins.offsets[i]));
+    const T w = T(1) / static_cast<T>(bins.offsets[i + 1] - bins.offsets[i]);
     for (int64_t p = bins.offsets[i]; p < bins.offsets[i + 1]; ++p) {
       T* row = dQx + bins.tokens[p] * D;
-      at::vec::map2([w](V r, V g) { return r + w * g; }, row, row, dLx + i * D, D);
+      for (int64_t d = 0; d < D; ++d) row[d] += w * dLx[i * D + d];
     }
   }
 }
