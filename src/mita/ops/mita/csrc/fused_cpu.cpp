@@ -9,8 +9,9 @@
 //     values are gathered once and its queries, in blocks, attend to them (softmax + lse).
 //   Merge: the routed and shared partial softmaxes weighted by the softmax of their
 //     log-sum-exps, which is exactly the one joint softmax of step 6.
-// Matrix products go to the BLAS that libtorch_cpu links (sgemm_/dgemm_); element-wise
-// work uses ATen's vectorized types. Ties in top-k and routing go to the lower index.
+// The per-head matrix products go to the BLAS that libtorch_cpu links (sgemm_/dgemm_); the
+// small experts' products, with rows gathered by index, run in register tiles (small_gemm);
+// element-wise work uses ATen's vectorized types. Ties in top-k and routing go to the lower index.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -505,8 +506,10 @@ void rows_as_columns(int64_t nb, int64_t D, int64_t ld, T scale, const RF& row, 
   }
 }
 
-// Up to this many multiply-adds (queries x keys x D) an expert's products skip BLAS.
-constexpr int64_t kSmallProduct = int64_t(1) << 17;
+// Up to this many multiply-adds (queries x keys x D) an expert's products skip BLAS: in the
+// forward up to 2^20 (2^17: 2-9% slower at N = 1,025-4,096; no limit: 1.5-1.8% slower at 16,384 and
+// 65,536), in the backward up to 2^17 (2^19: 9% slower at N = 4,096).
+constexpr int64_t kSmallForward = int64_t(1) << 20, kSmallBackward = int64_t(1) << 17;
 
 // Where the rows of a (B, H, N, D) tensor lie: element (b, h, t, d) at b * sb + h * sh + t * st + d.
 // The kernels read q, k, v, out and dout in any such layout (a timm block's q, k, v are views of
@@ -722,7 +725,7 @@ struct Forward {
     const T* Vx = vx(x);
     T *Ke = sc.Ke.data(), *Ve = sc.Ve.data(), *Qb = sc.Qb.data(), *Sb = sc.Sb.data(), *Ob = sc.Ob.data();
     const int64_t* mem = members + x * Nq * s + st[e];
-    if (n_e <= kQueryBlock && n_e * kk * D <= kSmallProduct) {  // a small expert: in registers, no gathers
+    if (n_e <= kQueryBlock && n_e * kk * D <= kSmallForward) {  // a small expert: in registers, no gathers
       small_expert(x, mem, n_e, kk, keys, sc);
       merge_block(x, mem, n_e, sc);
       return;
@@ -1024,7 +1027,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         // A small expert as in the forward: P^T and dP^T with its queries as lanes, every product in
         // register tiles reading rows in place (8-10% off the backward at N = 197, 2-3% at 1,025;
         // the same with BLAS-shaped buffers, tried first, measured no gain).
-        if (n_e <= kQueryBlock && n_e * kk * D <= kSmallProduct) {
+        if (n_e <= kQueryBlock && n_e * kk * D <= kSmallBackward) {
           using V = Vectorized<T>;
           const int64_t ld = whole_vectors<T>(n_e);
           T *Qt = Qb.data(), *dOt = dOb.data(), *Pt = P.data(), *dPt = dP.data();
