@@ -381,7 +381,7 @@ void small_tile(int64_t i0, int64_t j0, int64_t K, int64_t last, const AF& a, in
         for (int v = 0; v < NV; ++v) c[u][r][v] = at::vec::fmadd(av, bv[v], c[u][r][v]);
       }
     }
-  for (; l < K; ++l) {
+  for (; l < K; ++l) {  // the last K % U steps (U > 1 only where the last vector is whole)
     const T* row = b(l) + j0;
     for (int r = 0; r < R; ++r) {
       const V av(ap[r][l * as]);
@@ -1029,6 +1029,21 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         if (n_e == 0) continue;
         const int64_t* keys = E + (x * m + e) * topk;
         const int64_t* mem = members.data() + start[e];
+        // dQb's nb rows added into the rows of their queries (slots sl); dKe, dVe into the key rows.
+        const auto add_dq = [&](const int64_t* sl, int64_t nb) {
+          for (int64_t i = 0; i < nb; ++i) {
+            T* dqt = dQx + (sl[i] / s) * D;
+            const T* g = dQb.data() + i * D;
+            for (int64_t d = 0; d < D; ++d) dqt[d] += g[d];
+          }
+        };
+        const auto add_dkv = [&] {
+          for (int64_t i = 0; i < kk; ++i)
+            for (int64_t d = 0; d < D; ++d) {
+              dKx[keys[i] * D + d] += dKe[i * D + d];
+              dVx[keys[i] * D + d] += dVe[i * D + d];
+            }
+        };
         // A small expert as in the forward: P^T and dP^T with its queries as lanes, every product in
         // register tiles reading rows in place (8-10% off the backward at N = 197, 2-3% at 1,025;
         // the same with BLAS-shaped buffers, tried first, measured no gain).
@@ -1060,18 +1075,10 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             }
           }
           small_gemm<T>(n_e, D, kk, [&](int64_t i) { return dPt + i; }, ld, krow, dQb.data(), D);
-          for (int64_t i = 0; i < n_e; ++i) {
-            T* dqt = dQx + (mem[i] / s) * D;
-            const T* g = dQb.data() + i * D;
-            for (int64_t d = 0; d < D; ++d) dqt[d] += g[d];
-          }
+          add_dq(mem, n_e);
           small_gemm<T>(kk, D, n_e, [&](int64_t j) { return dPt + j * ld; }, 1, qrow, dKe.data(), D);
           small_gemm<T>(kk, D, n_e, [&](int64_t j) { return Pt + j * ld; }, 1, dorow, dVe.data(), D);
-          for (int64_t i = 0; i < kk; ++i)
-            for (int64_t d = 0; d < D; ++d) {
-              dKx[keys[i] * D + d] += dKe[i * D + d];
-              dVx[keys[i] * D + d] += dVe[i * D + d];
-            }
+          add_dkv();
           continue;
         }
         for (int64_t i = 0; i < kk; ++i) {
@@ -1096,19 +1103,11 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             for (int64_t j = 0; j < kk; ++j) dp[j] = scale * p[j] * (dp[j] - delta[t]);
           }
           gemm<T>(false, false, nb, D, kk, T(1), dP.data(), kk, Ke.data(), D, T(0), dQb.data(), D);
-          for (int64_t i = 0; i < nb; ++i) {
-            T* dqt = dQx + (mem[i0 + i] / s) * D;
-            const T* g = dQb.data() + i * D;
-            for (int64_t d = 0; d < D; ++d) dqt[d] += g[d];
-          }
+          add_dq(mem + i0, nb);
           gemm<T>(true, false, kk, D, nb, T(1), dP.data(), kk, Qb.data(), D, T(1), dKe.data(), D);
           gemm<T>(true, false, kk, D, nb, T(1), P.data(), kk, dOb.data(), D, T(1), dVe.data(), D);
         }
-        for (int64_t i = 0; i < kk; ++i)
-          for (int64_t d = 0; d < D; ++d) {
-            dKx[keys[i] * D + d] += dKe[i * D + d];
-            dVx[keys[i] * D + d] += dVe[i * D + d];
-          }
+        add_dkv();
       }
 
       if (bins) {  // landmarks pooled from q: their gradient (and any from outside) flows into dq
