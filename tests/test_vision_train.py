@@ -72,3 +72,16 @@ def test_errors(image_folder, tmp_path, capsys, change, message):
     data = tmp_path / change["data"] if "data" in change else image_folder
     assert main(args(data, tmp_path / "run", *change.get("extra", ()))) == 2
     assert message in capsys.readouterr().err
+
+
+def test_train_transform_posterizes_to_zero_bits():
+    """At magnitude 10 an ``inc1`` policy keeps 0 bits: a black image, not Pillow 13's ValueError."""
+    from mita.vision.train import train_transform
+
+    transform = train_transform({"input_size": (3, 32, 32)}, "rand-m10-inc1", 0.0)
+    (posterize,) = [
+        op for step in transform.transforms for op in getattr(step, "ops", ()) if op.name == "PosterizeIncreasing"
+    ]
+    posterize.prob = 1.0
+    image = Image.fromarray(torch.full((8, 8, 3), 200, dtype=torch.uint8).numpy())
+    assert posterize(image).getextrema() == ((0, 0),) * 3

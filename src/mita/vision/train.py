@@ -62,6 +62,33 @@ def model_args(text: str | None) -> dict[str, Any]:
     return parse_assignments(split_items(text or ""), "--model-args")
 
 
+def _posterize(img: Any, bits_to_keep: int, **kwargs: Any) -> Any:
+    """timm's posterize, also for 0 bits kept (a black image, as in the TensorFlow RandAugment).
+
+    With ``inc1`` policies timm 1.0.31 asks for 0 bits at magnitude 10, which its magnitude noise
+    (``mstd0.5`` around 9) reaches in about 2% of calls; Pillow 13 refuses 0 bits with a ValueError,
+    which would stop a training run at random.
+    """
+    from PIL import Image
+    from timm.data import auto_augment
+
+    if bits_to_keep <= 0:
+        return Image.new(img.mode, img.size)
+    return auto_augment.posterize(img, bits_to_keep, **kwargs)
+
+
+def train_transform(cfg: dict[str, Any], aa: str | None, reprob: float) -> Any:
+    """timm's training transform (RandAugment policy ``aa``, random erasing ``reprob``) for data config ``cfg``."""
+    from timm.data import auto_augment, create_transform
+
+    transform = create_transform(**cfg, is_training=True, auto_augment=aa or None, re_prob=reprob)
+    for step in getattr(transform, "transforms", ()):
+        for op in getattr(step, "ops", ()):
+            if op.aug_fn is auto_augment.posterize:
+                op.aug_fn = _posterize
+    return transform
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Train and evaluate; returns the last epoch's summary (also written to OUTPUT/summary.json)."""
     import timm
@@ -87,9 +114,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **model_args(args.model_args),
     ).to(device)
     cfg = resolve_data_config({"input_size": (3, args.img_size, args.img_size)}, model=model)
-    train_set = ImageFolder(
-        data / "train", create_transform(**cfg, is_training=True, auto_augment=args.aa or None, re_prob=args.reprob)
-    )
+    train_set = ImageFolder(data / "train", train_transform(cfg, args.aa, args.reprob))
     val_set = ImageFolder(data / "val", create_transform(**cfg))
     if train_set.classes != classes:
         raise ValueError(f"train and val classes differ: {train_set.classes} vs {classes}")
