@@ -477,25 +477,52 @@ inline void transpose16(__m512 r[16]) {
       }
   }
 }
+inline void transpose_block(Vectorized<float> r[16]) {
+  __m512 x[16];
+  for (int i = 0; i < 16; ++i) x[i] = r[i];
+  transpose16(x);
+  for (int i = 0; i < 16; ++i) r[i] = x[i];
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+// 8 vectors of 8 floats transposed in registers, r[i][j] <- r[j][i]: pairs of rows interleaved,
+// then pairs of pairs (columns c and c + 4 of four rows), then the 128-bit halves exchanged.
+inline void transpose_block(Vectorized<float> r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4)
+    for (int j = 0; j < 2; ++j) {
+      u[i + 2 * j] = _mm256_shuffle_ps(t[i + j], t[i + j + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      u[i + 2 * j + 1] = _mm256_shuffle_ps(t[i + j], t[i + j + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(u[c], u[c + 4], 0x20);
+    r[c + 4] = _mm256_permute2f128_ps(u[c], u[c + 4], 0x31);
+  }
+}
 #endif
 
 // Qt (D x ld) = scale * the rows row(0 .. nb) as its columns, columns nb .. ld zero (a small
-// expert's queries as lanes). With AVX-512 and D a multiple of 16 by 16 x 16 blocks transposed in
-// registers: the element-wise stores were a fifth of the routed phase at N = 197.
+// expert's queries as lanes). With AVX-512 or AVX2 and D a multiple of the vector width by square
+// blocks transposed in registers: the element-wise stores were a fifth of the routed phase at N = 197.
 template <typename T, typename RF>
 void rows_as_columns(int64_t nb, int64_t D, int64_t ld, T scale, const RF& row, T* Qt) {
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   if constexpr (std::is_same_v<T, float>) {
-    if (D % 16 == 0) {
-      const __m512 vs = _mm512_set1_ps(scale);
-      for (int64_t i0 = 0; i0 < ld; i0 += 16) {
-        const T* rp[16];
-        for (int i = 0; i < 16; ++i) rp[i] = i0 + i < nb ? row(i0 + i) : nullptr;
-        for (int64_t d0 = 0; d0 < D; d0 += 16) {
-          __m512 r[16];
-          for (int i = 0; i < 16; ++i) r[i] = rp[i] ? _mm512_mul_ps(vs, _mm512_loadu_ps(rp[i] + d0)) : _mm512_setzero_ps();
-          transpose16(r);
-          for (int c = 0; c < 16; ++c) _mm512_storeu_ps(Qt + (d0 + c) * ld + i0, r[c]);
+    using V = Vectorized<float>;
+    constexpr int W = V::size();
+    if (D % W == 0) {
+      const V vs(scale);
+      for (int64_t i0 = 0; i0 < ld; i0 += W) {
+        const T* rp[W];
+        for (int i = 0; i < W; ++i) rp[i] = i0 + i < nb ? row(i0 + i) : nullptr;
+        for (int64_t d0 = 0; d0 < D; d0 += W) {
+          V r[W];
+          for (int i = 0; i < W; ++i) r[i] = rp[i] ? V::loadu(rp[i] + d0) * vs : V(0.f);
+          transpose_block(r);
+          for (int c = 0; c < W; ++c) r[c].store(Qt + (d0 + c) * ld + i0);
         }
       }
       return;
