@@ -455,7 +455,7 @@ inline void prefetch_row(const T* row, int64_t D) {
 #if defined(CPU_CAPABILITY_AVX512)
 // 16 vectors of 16 floats transposed in registers, r[i][j] <- r[j][i]: the off-diagonal b x b
 // blocks swapped for b = 8, 4, 2, 1, each step 16 two-source permutes.
-inline void transpose16(__m512 r[16]) {
+inline void transpose_block(Vectorized<float> r[16]) {
   constexpr auto table = [](int b, bool high) {
     std::array<int32_t, 16> t{};
     for (int L = 0; L < 16; ++L) {
@@ -476,12 +476,6 @@ inline void transpose16(__m512 r[16]) {
         r[i + b] = _mm512_permutex2var_ps(a, hi, c);
       }
   }
-}
-inline void transpose_block(Vectorized<float> r[16]) {
-  __m512 x[16];
-  for (int i = 0; i < 16; ++i) x[i] = r[i];
-  transpose16(x);
-  for (int i = 0; i < 16; ++i) r[i] = x[i];
 }
 #elif defined(CPU_CAPABILITY_AVX2)
 // 8 vectors of 8 floats transposed in registers, r[i][j] <- r[j][i]: pairs of rows interleaved,
