@@ -365,3 +365,23 @@ def test_strided_inputs_and_gradients_are_read_in_place(hkv: int) -> None:
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     assert results[0][0].transpose(1, 2).is_contiguous()
+
+
+@pytest.mark.parametrize("scales", [(4.0, 0.05), (0.05, 4.0), (1.0, 1.0)], ids=["routed-wins", "shared-wins", "even"])
+def test_float32_merge_of_the_two_softmaxes_across_their_range(scales: tuple[float, float]) -> None:
+    """The float32 kernel merges the routed and shared softmaxes with one exponential and a series
+    for log(1 + e): against the float64 reference, at log-sum-exp gaps from 0 to far past float32's exp range
+    (one branch dominating either way), outputs and gradients to float32 rounding."""
+    case = Case(B=2, H=3, N=200, D=32, m=9, k=12)
+    q, k, v, _ = case.inputs()
+    scale, landmark_scale = scales
+    opts = dict(num_landmarks=case.m, topk=case.k, scale=scale, landmark_scale=landmark_scale)
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = mita_attention(*ref_leaves, **opts, impl="reference")
+    grad = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, grad)
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    out = mita_attention(*leaves, **opts, impl="fused")
+    grads = torch.autograd.grad(out, leaves, grad.float())
+    for a, b in zip((out, *grads), (ref, *ref_grads)):
+        assert ((a.double() - b).abs().max() / b.abs().max()).item() < 2e-5
