@@ -370,8 +370,9 @@ def test_strided_inputs_and_gradients_are_read_in_place(hkv: int) -> None:
 @pytest.mark.parametrize("scales", [(4.0, 0.05), (0.05, 4.0), (1.0, 1.0)], ids=["routed-wins", "shared-wins", "even"])
 def test_float32_merge_of_the_two_softmaxes_across_their_range(scales: tuple[float, float]) -> None:
     """The float32 kernel merges the routed and shared softmaxes with one exponential and a series
-    for log(1 + e): against the float64 reference, at log-sum-exp gaps from 0 to far past float32's exp range
-    (one branch dominating either way), outputs and gradients to float32 rounding."""
+    for log(1 + e): against the float64 reference, outputs and gradients to float32 rounding. The
+    shared-minus-routed log-sum-exp gaps of the three settings span -105 to -6, -2 to 23 and -23 to 0
+    (one branch dominating either way; exp(-105) underflows in float32)."""
     case = Case(B=2, H=3, N=200, D=32, m=9, k=12)
     q, k, v, _ = case.inputs()
     scale, landmark_scale = scales
