@@ -164,6 +164,7 @@ def test_unknown_method_gives_the_registry_error(tmp_path: Path, capsys) -> None
         (["--device", "tpu"], "--device"),
         (["--min-repeats", "5", "--max-repeats", "2"], "--max-repeats"),
         (["--resume"], "--resume"),
+        (["--rounds", "0"], "--rounds"),
     ],
     ids=[
         "sweep-no-values",
@@ -177,6 +178,7 @@ def test_unknown_method_gives_the_registry_error(tmp_path: Path, capsys) -> None
         "device-unknown",
         "repeats-inverted",
         "resume-without-out",
+        "rounds-zero",
     ],
 )
 def test_bad_arguments_are_named(tmp_path: Path, capsys, args: list[str], message: str) -> None:
@@ -297,6 +299,41 @@ def test_a_call_slower_than_the_budget_is_timed_once() -> None:
 
     m = timing.measure(slow, timing.Case(1, 1, 8, 4), "fwd", budget_s=0.001, min_repeats=5, memory=False)
     assert m.repeats == 1 and m.peak_bytes is None
+
+
+def test_rounds_time_the_methods_of_a_point_side_by_side(tmp_path: Path, monkeypatch) -> None:
+    calls: list[tuple[str, int]] = []  # (method, N) of every attention call, in order
+    build_op = attention.build_op
+
+    def build(config):
+        op = build_op(config)
+        return lambda q, k, v: calls.append((config["name"], q.shape[2])) or op(q, k, v)
+
+    monkeypatch.setattr(attention, "build_op", build)
+    args = [*TINY, "--methods", "linear", "--rounds", "4", "--no-memory", "--out", str(tmp_path)]
+    assert main(args) == 0
+    rows = rows_of(tmp_path)
+    assert [(r["series"], r["n"], r["repeats"], r["status"]) for r in rows] == [
+        ("sdpa", "128", "4", "ok"),
+        ("linear", "128", "4", "ok"),
+        ("sdpa", "256", "4", "ok"),
+        ("linear", "256", "4", "ok"),
+    ]
+    assert float(rows[1]["speedup"]) == pytest.approx(float(rows[0]["median_s"]) / float(rows[1]["median_s"]), 1e-4)
+    # per N: one warm-up call of each, then four rounds of one call of each in turn
+    assert calls == [(m, n) for n in (128, 256) for m in ["sdpa", "linear"] * 5]
+
+
+def test_side_by_side_keeps_measuring_past_a_failing_op() -> None:
+    def broken(q, k, v):
+        raise RuntimeError("out of memory")
+
+    ops = {"sdpa": attention.get("sdpa").op, "broken": broken}
+    results = timing.measure_side_by_side(ops, timing.Case(1, 2, 16, 8), "fwdbwd", 3, memory=True)
+    assert isinstance(results["broken"], RuntimeError)
+    assert results["sdpa"].repeats == 3 and results["sdpa"].peak_bytes >= timing.Case(1, 2, 16, 8).input_bytes("fwdbwd")
+    with pytest.raises(ValueError, match="warmup >= 1"):
+        timing.measure_side_by_side(ops, timing.Case(1, 2, 16, 8), "fwd", 3, warmup=0)
 
 
 def test_bad_mode_and_columns_and_foreign_csv(tmp_path: Path) -> None:

@@ -31,9 +31,9 @@ def test_alternating_rounds_times_each_call_once_per_round_in_turn(monkeypatch):
     assert [r for r, _ in seen] == [0, 1, 2] and seen[0][1] == {"a": 0.5, "b": 0.5}
 
 
-@pytest.mark.parametrize(("rounds", "warmup"), [(0, 1), (1, 0)])
-def test_alternating_rounds_rejects_no_rounds_or_no_warmup(rounds, warmup):
-    with pytest.raises(ValueError, match="rounds >= 1 and warmup >= 1"):
+@pytest.mark.parametrize(("rounds", "warmup"), [(0, 1), (1, -1)])
+def test_alternating_rounds_rejects_no_rounds_or_negative_warmup(rounds, warmup):
+    with pytest.raises(ValueError, match="rounds >= 1 and warmup >= 0"):
         alternating_rounds({"a": lambda: None}, rounds, warmup=warmup)
 
 

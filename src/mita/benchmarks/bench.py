@@ -20,7 +20,7 @@ import re
 import shlex
 import sys
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ from .report import (
     session_info,
     write_rows,
 )
-from .timing import DTYPES, MODES, Case, measure, op_profile
+from .timing import DTYPES, MODES, Case, Measurement, measure, measure_side_by_side, op_profile
 
 OUTPUTS = ("results.csv", "results.md", "time.png", "speedup.png", "memory.png", "machine.json")
 
@@ -145,6 +145,7 @@ class Settings:
     memory: bool = True
     seed: int = 0
     profile_dir: Path | None = None  # if set, an op profile of every point is written there
+    rounds: int | None = None  # if set, the methods of each (N, mode) are timed in this many alternating rounds
 
 
 def accepts(method: attention.Method, key: str) -> bool:
@@ -222,11 +223,35 @@ def measure_row(row: Row, options: Mapping[str, Any], case: Case, settings: Sett
         memory=settings.memory,
         seed=settings.seed,
     )
+    return _finish(row, op, m, case, settings)
+
+
+def measure_rows(points: Sequence[tuple[Row, Mapping[str, Any]]], case: Case, settings: Settings) -> list[Row]:
+    """Measure several points of one (N, mode) side by side (``settings.rounds`` alternating rounds);
+    a method that fails gets its row marked failed, the others are measured."""
+    ops = {row["series"]: attention.build_op({"name": row["method"], **options}) for row, options in points}
+    mode = points[0][0]["mode"]
+    results = measure_side_by_side(
+        ops, case, mode, settings.rounds, warmup=max(1, settings.warmup), memory=settings.memory, seed=settings.seed
+    )
+    return [
+        _failed(row, m) if isinstance(m, Exception) else _finish(row, ops[row["series"]], m, case, settings)
+        for (row, _), m in zip(points, results.values())
+    ]
+
+
+def _finish(row: Row, op: Any, m: Measurement, case: Case, settings: Settings) -> Row:
+    """The measured row, and the op profile of the point when asked for."""
     if settings.profile_dir is not None:
         name = re.sub(r"[^\w.=-]+", "_", f"{row['series']}-N{case.n}-{row['mode']}") + ".txt"
         settings.profile_dir.mkdir(exist_ok=True)
         (settings.profile_dir / name).write_text(op_profile(op, case, row["mode"], seed=settings.seed))
     return measured_row(row, m, case.batch * case.n)
+
+
+def _failed(row: Row, err: Exception) -> Row:
+    message = str(err).splitlines()[0][:200] if str(err) else ""
+    return {**row, "status": f"failed: {type(err).__name__}: {message}"}
 
 
 def _key(row: Row) -> tuple[str, ...]:
@@ -294,6 +319,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed calls before measuring")
     p.add_argument("--min-repeats", type=int, default=3)
     p.add_argument("--max-repeats", type=int, default=100)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        metavar="R",
+        help="time the methods of each (N, mode) side by side, one call of each per round, R rounds "
+        "(instead of each alone for --budget seconds): ratios that hold on a machine whose speed drifts",
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the (untimed) peak memory call")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--profile", action="store_true", help="also write an op profile of each point to DIR/profiles/")
@@ -332,7 +364,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     preset = PRESETS[preset_name]
     if args.lengths and preset.fixed_lengths:
         raise ValueError(f"the {preset_name!r} preset has fixed lengths {preset.lengths}; drop --lengths")
-    _positive(args, "batch", "heads", "head_dim", "threads", "max_repeats", "min_repeats")
+    _positive(args, "batch", "heads", "head_dim", "threads", "max_repeats", "min_repeats", "rounds")
     if args.lengths and min(args.lengths) < 1:
         raise ValueError(f"--lengths must be positive, got {args.lengths}")
     if not args.device.startswith(("cpu", "cuda")):
@@ -346,6 +378,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         max_repeats=args.max_repeats,
         memory=not args.no_memory,
         seed=args.seed,
+        rounds=args.rounds,
     )
     if settings.budget_s < 0 or settings.warmup < 0 or settings.max_repeats < settings.min_repeats:
         raise ValueError("--budget and --warmup must be >= 0, and --max-repeats >= --min-repeats")
@@ -400,24 +433,48 @@ def _measure_all(
 
     failures = 0
     log = CsvLog(csv_path)
-    tasks = [(n, mode, s) for n in plan.lengths for mode in plan.modes for s in plan.series]
+    total = len(plan.lengths) * len(plan.modes) * len(plan.series)
+    bar = tqdm(total=total, desc="mita bench", unit="point", dynamic_ncols=True)
     try:
-        bar = tqdm(tasks, desc="mita bench", unit="point", dynamic_ncols=True)
-        for n, mode, s in bar:
+        for n, mode in itertools.product(plan.lengths, plan.modes):
             case = Case(plan.shape["batch"], plan.shape["heads"], n, plan.shape["head_dim"], dtype, device)
-            bar.set_postfix_str(f"{s.label} N={n} {mode}")
-            options = s.options_at(plan.preset, n)
-            row = new_row(s, options, case, mode, session)
-            if (old := rows.get(_key(row))) is not None and old["status"] == OK:
-                continue  # measured by the run being resumed
-            row = rows[_key(row)] = _task_row(row, options, case, plan.settings, plan.caps)
-            row = rows[_key(row)] = add_ratios(row, rows.get(_baseline_key(plan, row)))
-            failures += row["status"].startswith("failed")
-            log.write(row)
-            bar.write(_summary(row))
+            todo, capped = [], []
+            for s in plan.series:
+                options = s.options_at(plan.preset, n)
+                row = new_row(s, options, case, mode, session)
+                cap = plan.caps.get(row["method"])
+                if (old := rows.get(_key(row))) is not None and old["status"] == OK:
+                    bar.update()  # measured by the run being resumed
+                elif cap is not None and n > cap:
+                    capped.append({**row, "status": f"not measured (N > {cap}, --max-n-per-method)"})
+                else:
+                    todo.append((row, options))
+            for row in itertools.chain(capped, _measured(todo, case, plan.settings, bar)):
+                row = rows[_key(row)] = add_ratios(row, rows.get(_baseline_key(plan, row)))
+                failures += row["status"].startswith("failed")
+                log.write(row)
+                bar.write(_summary(row))
+                bar.update()
     finally:
+        bar.close()
         log.close()
     return failures
+
+
+def _measured(points: list[tuple[Row, Mapping[str, Any]]], case: Case, settings: Settings, bar: Any) -> Iterator[Row]:
+    """The rows of one (N, mode)'s points as they are measured: all at once side by side with
+    ``settings.rounds``, else one by one. A method that fails at a point (e.g. out of memory) gets its
+    row marked failed and the run goes on."""
+    groups = [points] if settings.rounds and points else [[p] for p in points]
+    for group in groups:
+        bar.set_postfix_str(", ".join(row["series"] for row, _ in group) + f" N={case.n} {group[0][0]['mode']}")
+        try:
+            if settings.rounds:
+                yield from measure_rows(group, case, settings)
+            else:
+                yield measure_row(*group[0], case, settings)
+        except Exception as err:
+            yield from (_failed(row, err) for row, _ in group)
 
 
 def _command(args: argparse.Namespace) -> str:
@@ -436,18 +493,6 @@ def _baseline_key(plan: Plan, row: Row) -> tuple[str, ...]:
 def _order(series: Sequence[Series], row: Row) -> int:
     labels = [s.label for s in series]
     return labels.index(row["series"]) if row["series"] in labels else len(labels)
-
-
-def _task_row(row: Row, options: Mapping[str, Any], case: Case, settings: Settings, caps: Mapping[str, int]) -> Row:
-    """The row measured, or marked as skipped by a cap, or as failed."""
-    cap = caps.get(row["method"])
-    if cap is not None and case.n > cap:
-        return {**row, "status": f"not measured (N > {cap}, --max-n-per-method)"}
-    try:
-        return measure_row(row, options, case, settings)
-    except Exception as err:  # a method that fails at one point (e.g. out of memory) must not end the run
-        message = str(err).splitlines()[0][:200] if str(err) else ""
-        return {**row, "status": f"failed: {type(err).__name__}: {message}"}
 
 
 def _summary(row: Row) -> str:

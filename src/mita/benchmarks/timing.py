@@ -17,7 +17,9 @@ footprint of the step.
 
 Whole models are timed side by side by :func:`alternating_rounds` (``mita video bench``,
 ``mita vision bench``): each round times one call of every variant in turn, so all see the
-same machine load.
+same machine load. :func:`measure_side_by_side` does the same for attention calls
+(``mita bench --rounds R``): on a machine whose speed drifts (a shared VM), a ratio of two
+medians taken minutes apart moves with the drift, one of medians over the same rounds much less.
 """
 
 from __future__ import annotations
@@ -265,13 +267,13 @@ def alternating_rounds(
     Args:
         calls: the variants by name, each a call with no arguments (its result is kept from the warm-up).
         rounds: timed rounds (>= 1).
-        warmup: untimed calls of each variant first (>= 1, so there is an output to check).
+        warmup: untimed calls of each variant first (>= 0; with none, ``outputs`` is empty).
         device: where the calls run, synchronized around each timed call (CUDA).
         on_round: called after each round with its index (from 0) and that round's seconds per
             variant, for progress (a log line, a progress bar).
     """
-    if rounds < 1 or warmup < 1 or not calls:
-        raise ValueError(f"alternating_rounds needs calls, rounds >= 1 and warmup >= 1, got {rounds=}, {warmup=}")
+    if rounds < 1 or warmup < 0 or not calls:
+        raise ValueError(f"alternating_rounds needs calls, rounds >= 1 and warmup >= 0, got {rounds=}, {warmup=}")
     outputs: dict[str, object] = {}
     for _ in range(warmup):
         for name, fn in calls.items():
@@ -285,3 +287,49 @@ def alternating_rounds(
             if on_round is not None:
                 on_round(r, {name: t[-1] for name, t in times.items()})
     return Rounds(times, outputs)
+
+
+def measure_side_by_side(
+    ops: dict[str, Callable[..., torch.Tensor]],
+    case: Case,
+    mode: str,
+    rounds: int,
+    *,
+    warmup: int = 1,
+    memory: bool = True,
+    seed: int = 0,
+) -> dict[str, Measurement | Exception]:
+    """Time several ops on the same inputs of ``case`` in ``mode`` by :func:`alternating_rounds`.
+
+    Each op first makes ``warmup`` untimed calls (at least one: an op that raises there is
+    left out and its error returned in its place, the others go on), then every round times
+    one call of each op in turn; the peak memory call of each comes after the rounds.
+
+    Args:
+        ops: the ops by name, each called as ``op(q, k, v)``.
+        case, mode: the shapes and ``"fwd"`` or ``"fwdbwd"``; the inputs are made once and shared.
+        rounds: timed rounds (>= 1); each op's median is over them.
+        warmup: untimed calls of each op before the rounds (>= 1).
+        memory, seed: as in :func:`measure`.
+    """
+    if warmup < 1:
+        raise ValueError(f"measure_side_by_side needs warmup >= 1 (the call that finds a failing op), got {warmup}")
+    tensors = case.inputs(mode, seed)
+    results: dict[str, Measurement | Exception] = {}
+    steps: dict[str, Callable[[], None]] = {}
+    for name, op in ops.items():
+        step = attention_step(op, tensors)
+        try:
+            for _ in range(warmup):
+                step()
+            synchronize(case.device)
+        except Exception as err:  # one method failing at a shape (out of memory) must not end the others
+            results[name] = err
+            continue
+        steps[name] = step
+    if steps:
+        measured = alternating_rounds(steps, rounds, warmup=0, device=case.device)
+        for name, step in steps.items():
+            peak = case.input_bytes(mode) + peak_memory(step, device=case.device) if memory else None
+            results[name] = Measurement(measured.median(name), rounds, peak, case.reference_bytes(mode))
+    return {name: results[name] for name in ops}
