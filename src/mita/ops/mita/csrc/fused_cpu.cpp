@@ -9,7 +9,7 @@
 //     values are gathered once and its queries, in blocks, attend to them (softmax + lse).
 //   Merge: the routed and shared partial softmaxes weighted by the softmax of their
 //     log-sum-exps, which is exactly the one joint softmax of step 6.
-// The per-head matrix products go to the BLAS that libtorch_cpu links (sgemm_/dgemm_); the
+// The per-head matrix products go to ATen's brgemm (floats) or the BLAS (doubles), see gemm; the
 // small experts' products, with rows gathered by index, run in register tiles (small_gemm);
 // element-wise work uses ATen's vectorized types. Ties in top-k and routing go to the lower index.
 
@@ -35,6 +35,8 @@
 #endif
 
 extern "C" {
+void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*, const int*,
+            const float*, const int*, const float*, float*, const int*);
 void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*, const double*,
             const int*, const double*, const int*, const double*, double*, const int*);
 }
@@ -51,7 +53,9 @@ extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
 struct SingleThreadedBlas {
   int previous = MKL_Set_Num_Threads_Local ? MKL_Set_Num_Threads_Local(1) : 0;
   ~SingleThreadedBlas() {
+#if defined(CPUBLAS_BRGEMM_F32F32F32)
     at::native::cpublas::brgemm_release(false);
+#endif
     if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(previous);
   }
 };
@@ -519,7 +523,8 @@ void rows_as_columns(int64_t nb, int64_t D, int64_t ld, T scale, const RF& row, 
       for (int64_t d0 = 0; d0 < D; d0 += W) {
         const int64_t n = std::min<int64_t>(W, D - d0);
         V r[W];
-        for (int i = 0; i < W; ++i) r[i] = rp[i] ? (n == W ? V::loadu(rp[i] + d0) : V::loadu(rp[i] + d0, n)) * vs : V(0.f);
+        for (int i = 0; i < W; ++i)
+          r[i] = rp[i] ? (n == W ? V::loadu(rp[i] + d0) : V::loadu(rp[i] + d0, n)) * vs : V(0.f);
         transpose_block(r);
         for (int c = 0; c < n; ++c) r[c].store(Qt + (d0 + c) * ld + i0);
       }
@@ -535,39 +540,44 @@ void rows_as_columns(int64_t nb, int64_t D, int64_t ld, T scale, const RF& row, 
 }
 
 // Row-major C (M x N) = op(A) op(B) (+ C when `add`), op(A) is M x K, op(B) is K x N. Floats go
-// to ATen's brgemm (oneDNN's JIT micro-kernels where the CPU has them, else the BLAS), with a
-// transposed operand first transposed into scratch: on AMD Zen 5 it ran these products 2.4-3.5x
-// faster than MKL's sgemm, which takes its AVX2 code on AMD CPUs (single calls, one thread, at the
-// shapes of N = 197 to 16,384). Doubles go to the BLAS that libtorch_cpu links (dgemm_); column-major
-// BLAS sees the transposes: C^T = op(B)^T op(A)^T.
-void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-                 int64_t ldb, bool add, float* C, int64_t ldc) {
+// to ATen's brgemm (oneDNN's JIT micro-kernels where the CPU has them, else the BLAS), a transposed
+// operand first transposed into scratch: on AMD Zen 5 it ran these products 2.4-3.5x faster than
+// MKL's sgemm, which takes its AVX2 code on AMD CPUs (single calls, one thread, the shapes of N = 197
+// to 16,384). Doubles (and floats with a torch older than float brgemm) go to the BLAS that
+// libtorch_cpu links, which as column-major sees the transposes: C^T = op(B)^T op(A)^T.
+template <typename T>
+void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb,
+          bool add, T* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
-  thread_local std::vector<float> a_t, b_t;
-  if (ta) {  // A is stored K x M
-    const int64_t ld = whole_vectors<float>(K);
-    a_t.resize(M * ld);
-    rows_as_columns(K, M, ld, 1.f, [&](int64_t l) { return A + l * lda; }, a_t.data());
-    A = a_t.data();
-    lda = ld;
+#if defined(CPUBLAS_BRGEMM_F32F32F32)
+  if constexpr (std::is_same_v<T, float>) {
+    thread_local std::vector<float> a_t, b_t;
+    if (ta) {  // A is stored K x M
+      const int64_t ld = whole_vectors<float>(K);
+      a_t.resize(M * ld);
+      rows_as_columns(K, M, ld, 1.f, [&](int64_t l) { return A + l * lda; }, a_t.data());
+      A = a_t.data();
+      lda = ld;
+    }
+    if (tb) {  // B is stored N x K
+      const int64_t ld = whole_vectors<float>(N);
+      b_t.resize(K * ld);
+      rows_as_columns(N, K, ld, 1.f, [&](int64_t j) { return B + j * ldb; }, b_t.data());
+      B = b_t.data();
+      ldb = ld;
+    }
+    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, A, B, C, false);
+    return;
   }
-  if (tb) {  // B is stored N x K
-    const int64_t ld = whole_vectors<float>(N);
-    b_t.resize(K * ld);
-    rows_as_columns(N, K, ld, 1.f, [&](int64_t j) { return B + j * ldb; }, b_t.data());
-    B = b_t.data();
-    ldb = ld;
-  }
-  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, A, B, C, false);
-}
-
-void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, const double* B,
-                  int64_t ldb, bool add, double* C, int64_t ldc) {
-  if (M == 0 || N == 0) return;
+#endif
   const char a = ta ? 'T' : 'N', b = tb ? 'T' : 'N';
   const int m = N, n = M, k = K, la = ldb, lb = lda, lc = ldc;
-  const double one = 1, beta = add ? 1 : 0;
-  dgemm_(&b, &a, &m, &n, &k, &one, B, &la, A, &lb, &beta, C, &lc);
+  const T one = 1, beta = add ? 1 : 0;
+  if constexpr (std::is_same_v<T, float>) {
+    sgemm_(&b, &a, &m, &n, &k, &one, B, &la, A, &lb, &beta, C, &lc);
+  } else {
+    dgemm_(&b, &a, &m, &n, &k, &one, B, &la, A, &lb, &beta, C, &lc);
+  }
 }
 
 // Up to this many multiply-adds (queries x keys x D) an expert's products skip BLAS: in the
@@ -680,7 +690,7 @@ struct Forward {
     T* S = sc.S.data();
     for (int64_t j0 = 0; j0 < Nk; j0 += kKeyBlock) {
       const int64_t nb = std::min(kKeyBlock, Nk - j0);
-      gemm(false, true, nr, nb, D, Lx, D, Kx + j0 * kr.st, kr.st, false, S, nb);
+      gemm<T>(false, true, nr, nb, D, Lx, D, Kx + j0 * kr.st, kr.st, false, S, nb);
       for (int64_t r = 0; r < nr; ++r) {
         T* row = S + r * nb;
         best[r].offer(row, nb, j0, km ? km + j0 : nullptr, sc.block_keys.data());
@@ -699,7 +709,7 @@ struct Forward {
         if (alpha != T(1)) scale_row(acc + r * D, D, alpha);
         sc.mx[r] = nm;
       }
-      gemm(false, false, nr, D, nb, S, nb, Vx + j0 * vr.st, vr.st, true, acc, D);
+      gemm<T>(false, false, nr, D, nb, S, nb, Vx + j0 * vr.st, vr.st, true, acc, D);
     }
     for (int64_t r = 0; r < nr; ++r) {
       scale_row(acc + r * D, D, T(1) / sc.sum[r]);
@@ -722,7 +732,7 @@ struct Forward {
     const bool* qm = query_mask ? query_mask + (x / H) * Nq : nullptr;
     const int64_t ld = whole_vectors<T>(nq);
     T* Gt = sc.Gt.data();
-    gemm(false, true, m, nq, D, L + x * m * D, D, qx(x) + t0 * qr.st, qr.st, false, Gt, ld);
+    gemm<T>(false, true, m, nq, D, L + x * m * D, D, qx(x) + t0 * qr.st, qr.st, false, Gt, ld);
     for (int64_t e = 0; e < m; ++e) std::fill(Gt + e * ld + nq, Gt + (e + 1) * ld, T(0));  // whole vectors
     if (s > 1)  // the s largest gates of each query, ties to the lower landmark
       for (int64_t i = 0; i < nq; ++i) {
@@ -775,7 +785,7 @@ struct Forward {
         LT[x * Nq + t] = T(0);
       }
     log_add(sc.w.data(), sc.a.data(), LSE + x * Nq + t0, nq);  // lse = max + log(sum)
-    gemm(true, false, nq, D, m, Gt, ld, VS + x * m * D, D, false, ox(x) + t0 * outr.st, outr.st);
+    gemm<T>(true, false, nq, D, m, Gt, ld, VS + x * m * D, D, false, ox(x) + t0 * outr.st, outr.st);
   }
 
   // C: the routed expert e of head x attends its queries; merged into out (s = 1) or kept.
@@ -804,7 +814,7 @@ struct Forward {
         const T* src = qx(x) + (mem[i0 + i] / s) * qr.st;
         std::copy(src, src + D, Qb + i * D);
       }
-      gemm(false, true, nb, kk, D, Qb, D, Ke, D, false, Sb, kk);
+      gemm<T>(false, true, nb, kk, D, Qb, D, Ke, D, false, Sb, kk);
       for (int64_t i = 0; i < nb; ++i) {
         T* row = Sb + i * kk;
         const auto [sm, rm] = exp_row(row, kk, scale);
@@ -813,7 +823,7 @@ struct Forward {
         sc.a[i] = rm;
       }
       log_add(sc.w.data(), sc.a.data(), sc.lse.data(), nb);
-      gemm(false, false, nb, D, kk, Sb, kk, Ve, D, false, Ob, D);
+      gemm<T>(false, false, nb, D, kk, Sb, kk, Ve, D, false, Ob, D);
       merge_block(x, mem + i0, nb, sc);
     }
   }
@@ -1039,8 +1049,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         using V = Vectorized<T>;
         const int64_t nq = std::min(kQueryBlock, Nq - t0), ld = whole_vectors<T>(nq);
         T *Pt = P.data(), *dPt = dP.data();
-        gemm(false, true, m, nq, D, Lx, D, Qx + t0 * qs, qs, false, Pt, ld);
-        gemm(false, true, m, nq, D, VSx, D, dOx + t0 * dos, dos, false, dPt, ld);
+        gemm<T>(false, true, m, nq, D, Lx, D, Qx + t0 * qs, qs, false, Pt, ld);
+        gemm<T>(false, true, m, nq, D, VSx, D, dOx + t0 * dos, dos, false, dPt, ld);
         const V vls(lscale);
         for (int64_t i0 = 0; i0 < nq; i0 += V::size()) {
           const int64_t c = std::min<int64_t>(V::size(), nq - i0);
@@ -1055,9 +1065,9 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           for (int64_t i = 0; i < nq; ++i)
             if (!qm[t0 + i])
               for (int64_t e = 0; e < m; ++e) Pt[e * ld + i] = dPt[e * ld + i] = T(0);
-        gemm(true, false, nq, D, m, dPt, ld, Lx, D, false, dQx + t0 * D, D);
-        gemm(false, false, m, D, nq, dPt, ld, Qx + t0 * qs, qs, true, dLx, D);
-        gemm(false, false, m, D, nq, Pt, ld, dOx + t0 * dos, dos, true, dvs.data(), D);
+        gemm<T>(true, false, nq, D, m, dPt, ld, Lx, D, false, dQx + t0 * D, D);
+        gemm<T>(false, false, m, D, nq, dPt, ld, Qx + t0 * qs, qs, true, dLx, D);
+        gemm<T>(false, false, m, D, nq, Pt, ld, dOx + t0 * dos, dos, true, dvs.data(), D);
       }
 
       // Shared values v~ = softmax(s0 A) V, by key blocks: P_A recomputed from its log-sum-exp. It
@@ -1068,8 +1078,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             dvs.data() + i * D, VSx + i * D, D);
       for (int64_t j0 = 0; j0 < Nk; j0 += kKeyBlock) {
         const int64_t nb = std::min(kKeyBlock, Nk - j0);
-        gemm(false, true, m, nb, D, Lx, D, Kx + j0 * ks, ks, false, P.data(), nb);
-        gemm(false, true, m, nb, D, dvs.data(), D, Vx + j0 * vs, vs, false, dP.data(), nb);
+        gemm<T>(false, true, m, nb, D, Lx, D, Kx + j0 * ks, ks, false, P.data(), nb);
+        gemm<T>(false, true, m, nb, D, dvs.data(), D, Vx + j0 * vs, vs, false, dP.data(), nb);
         for (int64_t i = 0; i < m; ++i) {
           T *p = P.data() + i * nb, *dp = dP.data() + i * nb;
           exp_sum(p, nb, scale, LA[x * m + i]);
@@ -1078,9 +1088,9 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             dp[j] = scale * p[j] * (dp[j] - rowdot[i]);
           }
         }
-        gemm(true, false, nb, D, m, P.data(), nb, dvs.data(), D, false, dVx + j0 * D, D);
-        gemm(false, false, m, D, nb, dP.data(), nb, Kx + j0 * ks, ks, true, dLx, D);
-        gemm(true, false, nb, D, m, dP.data(), nb, Lx, D, false, dKx + j0 * D, D);
+        gemm<T>(true, false, nb, D, m, P.data(), nb, dvs.data(), D, false, dVx + j0 * D, D);
+        gemm<T>(false, false, m, D, nb, dP.data(), nb, Kx + j0 * ks, ks, true, dLx, D);
+        gemm<T>(true, false, nb, D, m, dP.data(), nb, Lx, D, false, dKx + j0 * D, D);
       }
 
       // Routed experts: queries grouped by expert, as in the forward (members hold t * s + j).
@@ -1155,18 +1165,18 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             std::copy(Qx + t * qs, Qx + t * qs + D, Qb.data() + i * D);
             std::copy(dOx + t * dos, dOx + t * dos + D, dOb.data() + i * D);
           }
-          gemm(false, true, nb, kk, D, Qb.data(), D, Ke.data(), D, false, P.data(), kk);
-          gemm(false, true, nb, kk, D, dOb.data(), D, Ve.data(), D, false, dP.data(), kk);
+          gemm<T>(false, true, nb, kk, D, Qb.data(), D, Ke.data(), D, false, P.data(), kk);
+          gemm<T>(false, true, nb, kk, D, dOb.data(), D, Ve.data(), D, false, dP.data(), kk);
           for (int64_t i = 0; i < nb; ++i) {
             T *p = P.data() + i * kk, *dp = dP.data() + i * kk;
             const int64_t t = mem[i0 + i] / s;
             exp_sum(p, kk, scale, LTx[t]);
             for (int64_t j = 0; j < kk; ++j) dp[j] = scale * p[j] * (dp[j] - delta[t]);
           }
-          gemm(false, false, nb, D, kk, dP.data(), kk, Ke.data(), D, false, dQb.data(), D);
+          gemm<T>(false, false, nb, D, kk, dP.data(), kk, Ke.data(), D, false, dQb.data(), D);
           add_dq(mem + i0, nb);
-          gemm(true, false, kk, D, nb, dP.data(), kk, Qb.data(), D, true, dKe.data(), D);
-          gemm(true, false, kk, D, nb, P.data(), kk, dOb.data(), D, true, dVe.data(), D);
+          gemm<T>(true, false, kk, D, nb, dP.data(), kk, Qb.data(), D, true, dKe.data(), D);
+          gemm<T>(true, false, kk, D, nb, P.data(), kk, dOb.data(), D, true, dVe.data(), D);
         }
         add_dkv();
       }
