@@ -3,7 +3,8 @@
 A short, real run (well under a minute on two cores): the agreement of the fast paths
 (fused C++ kernels, grouped PyTorch) with the spec's reference on a small float64 case,
 then a table of the forward time, peak memory and speed-up of MiTA over SDPA in the
-standard configuration (spec section 4), measured like ``mita bench`` does.
+standard configuration (spec section 4), measured like ``mita bench --rounds 3`` does (the two
+side by side in alternating rounds, so the ratio holds on a machine whose speed drifts).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import argparse
 import torch
 
 from ..ops.mita import fused
-from .bench import PRESETS, Settings, add_ratios, make_series, measure_row, new_row
+from .bench import PRESETS, Settings, add_ratios, make_series, measure_rows, new_row
 from .report import markdown_table
 from .timing import Case
 
@@ -69,16 +70,16 @@ def run(args: argparse.Namespace) -> int:
         )
         preset = PRESETS["standard"]
         sdpa, mita = make_series("sdpa"), make_series("mita")
-        settings = Settings(budget_s=0.5)
+        settings = Settings(rounds=3)
         rows = []
         for n in args.lengths:
             case = Case(preset.batch, preset.heads, n, preset.head_dim)
-            base = None
-            for series in (sdpa, mita):
-                options = series.options_at(preset, n)
-                row = measure_row(new_row(series, options, case, "fwd", "demo"), options, case, settings)
-                base = base or row
-                rows.append(add_ratios(row, base))
+            points = [
+                (new_row(s, s.options_at(preset, n), case, "fwd", "demo"), s.options_at(preset, n))
+                for s in (sdpa, mita)
+            ]
+            base, row = measure_rows(points, case, settings)
+            rows += [add_ratios(base, base), add_ratios(row, base)]
     finally:
         torch.set_num_threads(threads)
     print(
