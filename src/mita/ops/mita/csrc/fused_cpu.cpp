@@ -552,20 +552,16 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, int64_t
 #if defined(CPUBLAS_BRGEMM_F32F32F32)
   if constexpr (std::is_same_v<T, float>) {
     thread_local std::vector<float> a_t, b_t;
-    if (ta) {  // A is stored K x M
-      const int64_t ld = whole_vectors<float>(K);
-      a_t.resize(M * ld);
-      rows_as_columns(K, M, ld, 1.f, [&](int64_t l) { return A + l * lda; }, a_t.data());
-      A = a_t.data();
-      lda = ld;
-    }
-    if (tb) {  // B is stored N x K
-      const int64_t ld = whole_vectors<float>(N);
-      b_t.resize(K * ld);
-      rows_as_columns(N, K, ld, 1.f, [&](int64_t j) { return B + j * ldb; }, b_t.data());
-      B = b_t.data();
-      ldb = ld;
-    }
+    // X (rows x cols, row stride ld) as its transpose in buf; ld becomes the transpose's row stride.
+    const auto transposed = [](const float* X, int64_t rows, int64_t cols, int64_t& ld, std::vector<float>& buf) {
+      const int64_t out = whole_vectors<float>(rows);
+      buf.resize(cols * out);
+      rows_as_columns(rows, cols, out, 1.f, [&](int64_t i) { return X + i * ld; }, buf.data());
+      ld = out;
+      return static_cast<const float*>(buf.data());
+    };
+    if (ta) A = transposed(A, K, M, lda, a_t);  // A is stored K x M
+    if (tb) B = transposed(B, N, K, ldb, b_t);  // B is stored N x K
     at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, A, B, C, false);
     return;
   }
