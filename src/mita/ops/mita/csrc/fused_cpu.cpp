@@ -49,13 +49,9 @@ using at::vec::Vectorized;
 // a parallel region: measured 30% slower at N = 197. Keep each product on its calling thread.
 // The symbol is weak: with another BLAS it is null and nothing is done.
 extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
-// brgemm's hardware context (AMX tiles, where used) is released when a thread's task ends.
 struct SingleThreadedBlas {
   int previous = MKL_Set_Num_Threads_Local ? MKL_Set_Num_Threads_Local(1) : 0;
   ~SingleThreadedBlas() {
-#if defined(CPUBLAS_BRGEMM_F32F32F32)
-    at::native::cpublas::brgemm_release(false);
-#endif
     if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(previous);
   }
 };
