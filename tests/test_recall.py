@@ -219,3 +219,15 @@ def test_grid_and_cli(tmp_path, capsys):
     capsys.readouterr()
     assert main(["recall", "report", "--out", str(out)]) == 0
     assert "| `sdpa` |" in capsys.readouterr().out
+
+
+def test_plots_are_written_where_a_line_has_two_points(tmp_path) -> None:
+    from mita.recall import sweep
+
+    def row(method: str, n: int, p: int, acc: float) -> dict[str, str]:
+        return {"attention": method, "seq_len": str(n), "num_pairs": str(p), "test_accuracy": str(acc)}
+
+    at_p = [row(m, n, 32, a) for m, a in (("sdpa", 0.9), ("mita", 0.1)) for n in (512, 1024)]
+    assert [p.name for p in sweep.plot(tmp_path, at_p)] == ["acc_vs_length_at_p.png"]
+    ratio = [row("sdpa", 64, 8, 1.0), row("sdpa", 128, 16, 0.9), row("sdpa", 128, 32, 0.8)]
+    assert [p.name for p in sweep.plot(tmp_path, ratio)] == ["acc_vs_pairs.png", "acc_vs_length.png"]

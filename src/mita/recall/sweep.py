@@ -198,8 +198,10 @@ def append_row(path: Path, row: dict[str, Any], fields: list[str]) -> None:
 
 
 def plot(out: str | Path, rows: list[dict[str, str]] | None = None) -> list[Path]:
-    """``acc_vs_pairs.png`` (accuracy against P per method, one panel per N with two or more P) and
-    ``acc_vs_length.png`` (against N, one panel per P/N with two or more N), mean over seeds."""
+    """``acc_vs_pairs.png`` (accuracy against P per method, one panel per N with two or more P),
+    ``acc_vs_length.png`` (against N, one panel per P/N with two or more N) and
+    ``acc_vs_length_at_p.png`` (against N, one panel per P with two or more N), mean over seeds;
+    each only where it has a line of two points."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -236,11 +238,14 @@ def plot(out: str | Path, rows: list[dict[str, str]] | None = None) -> list[Path
 
     by_n: dict[int, dict[str, list[tuple[float, float]]]] = {}
     by_ratio: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    by_p: dict[int, dict[str, list[tuple[float, float]]]] = {}
     for (m, n, p), a in mean.items():
         by_n.setdefault(n, {}).setdefault(m, []).append((p, a))
         by_ratio.setdefault(f"{p / n:.4g}", {}).setdefault(m, []).append((n, a))
+        by_p.setdefault(p, {}).setdefault(m, []).append((n, a))
     panels(by_n, "pairs P", "N = {}", "acc_vs_pairs.png")
     panels(by_ratio, "sequence length N", "P / N = {}", "acc_vs_length.png")
+    panels(by_p, "sequence length N", "P = {}", "acc_vs_length_at_p.png")
     return written
 
 
