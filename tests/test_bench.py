@@ -370,3 +370,8 @@ def test_deit_presets_hold_the_vision_targets_shapes(name: str, batch: int, n: i
     assert (p.batch, p.heads, p.head_dim, p.lengths, p.fixed_lengths) == (batch, 6, 64, (n,), True)
     assert p.options_at(n) == {"num_landmarks": m, "topk": m, "grid": grid, "num_routed": 1, "num_prefix_tokens": 1}
     assert grid[0] * grid[1] + 1 == n  # one CLS token ahead of the patch grid
+    args = build_parser().parse_args(["bench", "--preset", name])
+    assert bench.make_plan(args).settings.rounds == 41  # side by side by default: their ratios are targets
+    args = build_parser().parse_args(["bench", "--preset", name, "--rounds", "5"])
+    assert bench.make_plan(args).settings.rounds == 5
+    assert bench.make_plan(build_parser().parse_args(["bench"])).settings.rounds is None

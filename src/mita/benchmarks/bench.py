@@ -64,6 +64,7 @@ class Preset:
     per_length: Mapping[int, Mapping[str, Any]] = dataclasses.field(default_factory=dict)  # extra options at one length
     fixed_lengths: bool = False  # --lengths does not apply
     budget_s: float = 1.0
+    rounds: int | None = None  # side by side in this many rounds unless --rounds says otherwise
 
     def options_at(self, n: int) -> dict[str, Any]:
         return {**self.options, **self.per_length.get(n, {})}
@@ -88,6 +89,7 @@ PRESETS = {
         fixed_lengths=True,
     ),
     # issue 11's op targets, DeiT-S's attention with its batch: 224 px (B = 16, N = 197) and 512 px (B = 4, N = 1,025)
+    # (side by side in 41 rounds: ratios meant for targets)
     "deit224": Preset(
         16,
         6,
@@ -95,6 +97,7 @@ PRESETS = {
         (197,),
         {"num_landmarks": 25, "topk": 25, "grid": (14, 14), "num_routed": 1, "num_prefix_tokens": 1},
         fixed_lengths=True,
+        rounds=41,
     ),
     "deit512": Preset(
         4,
@@ -103,6 +106,7 @@ PRESETS = {
         (1025,),
         {"num_landmarks": 49, "topk": 49, "grid": (32, 32), "num_routed": 1, "num_prefix_tokens": 1},
         fixed_lengths=True,
+        rounds=41,
     ),
     # video (VideoMAE-base: 12 heads of 64): 16 frames at 224 px in 2x16x16 tubelets, an (8, 14, 14) grid of
     # N = 1,568 tokens, and 32 frames, (16, 14, 14), N = 3,136; m = k = 98 on a (2, 7, 7) landmark grid
@@ -324,7 +328,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         metavar="R",
         help="time the methods of each (N, mode) side by side, one call of each per round, R rounds "
-        "(instead of each alone for --budget seconds): ratios that hold on a machine whose speed drifts",
+        "(instead of each alone for --budget seconds): ratios that hold on a machine whose speed drifts "
+        "(default: the preset's; 41 for deit224 and deit512, else off)",
     )
     p.add_argument("--no-memory", action="store_true", help="skip the (untimed) peak memory call")
     p.add_argument("--no-plots", action="store_true")
@@ -378,7 +383,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         max_repeats=args.max_repeats,
         memory=not args.no_memory,
         seed=args.seed,
-        rounds=args.rounds,
+        rounds=preset.rounds if args.rounds is None else args.rounds,
     )
     if settings.budget_s < 0 or settings.warmup < 0 or settings.max_repeats < settings.min_repeats:
         raise ValueError("--budget and --warmup must be >= 0, and --max-repeats >= --min-repeats")
