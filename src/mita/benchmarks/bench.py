@@ -239,8 +239,10 @@ def measure_rows(points: Sequence[tuple[Row, Mapping[str, Any]]], case: Case, se
         ops, case, mode, settings.rounds, warmup=max(1, settings.warmup), memory=settings.memory, seed=settings.seed
     )
     return [
-        _failed(row, m) if isinstance(m, Exception) else _finish(row, ops[row["series"]], m, case, settings)
-        for (row, _), m in zip(points, results.values())
+        _failed(row, m)
+        if isinstance(m := results[row["series"]], Exception)
+        else _finish(row, ops[row["series"]], m, case, settings)
+        for row, _ in points
     ]
 
 

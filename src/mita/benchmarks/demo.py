@@ -74,10 +74,8 @@ def run(args: argparse.Namespace) -> int:
         rows = []
         for n in args.lengths:
             case = Case(preset.batch, preset.heads, n, preset.head_dim)
-            points = [
-                (new_row(s, s.options_at(preset, n), case, "fwd", "demo"), s.options_at(preset, n))
-                for s in (sdpa, mita)
-            ]
+            options = [s.options_at(preset, n) for s in (sdpa, mita)]
+            points = [(new_row(s, o, case, "fwd", "demo"), o) for s, o in zip((sdpa, mita), options)]
             base, row = measure_rows(points, case, settings)
             rows += [add_ratios(base, base), add_ratios(row, base)]
     finally:
