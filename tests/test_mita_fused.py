@@ -66,7 +66,7 @@ def test_fused_refuses_what_it_cannot_do(override: dict) -> None:
 
 
 LARGE = [
-    Case(B=1, H=2, N=3000, D=32, m=24, k=40, s=1),
+    Case(B=2, H=3, N=3000, D=32, m=24, k=40, s=1),  # large heads, batches: phase by phase
     Case(B=2, H=4, Hkv=2, N=1300, D=16, m=20, k=70, s=2, mask=True),
     Case(B=1, H=2, N=600, Nk=1500, D=16, m=10, k=600, s=3, mask=True),
 ]
