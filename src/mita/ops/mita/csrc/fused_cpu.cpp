@@ -33,9 +33,6 @@
 #if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
 #endif
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 extern "C" {
 void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*, const int*,
@@ -58,22 +55,6 @@ struct SingleThreadedBlas {
     if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(previous);
   }
 };
-
-// at::empty whose 2 MiB-aligned interior the OS may back with transparent huge pages. The first
-// touches of a fresh large output otherwise fault once per 4 KiB page: allocating and filling
-// 32 MiB took 16 ms against 2.9 ms with huge pages (one thread, Zen 5 VM), a sixth of the forward
-// at N = 16,384, and two threads faulting at once scale worse. Advice only: nothing changes
-// where transparent huge pages are off, or on for every mapping.
-at::Tensor empty_huge(at::IntArrayRef sizes, const at::TensorOptions& opts) {
-  at::Tensor t = at::empty(sizes, opts);
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t huge = uintptr_t(1) << 21;
-  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr()), end = begin + t.nbytes();
-  const uintptr_t first = (begin + huge - 1) & ~(huge - 1), last = end & ~(huge - 1);
-  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
-#endif
-  return t;
-}
 
 template <typename T>
 inline Vectorized<T> vexp(const Vectorized<T>& x) {
@@ -1280,7 +1261,7 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
               "mita fused: topk must be in [1, Nk = ", k.size(2), "] and num_routed in [1, m = ", m, "], got topk = ",
               topk, ", num_routed = ", num_routed);
   const auto opts = q.options();
-  at::Tensor out = empty_huge({B, Nq, H, D}, opts).transpose(1, 2), v_shared = at::empty({B, H, m, D}, opts);
+  at::Tensor out = at::empty({B, Nq, H, D}, opts).transpose(1, 2), v_shared = at::empty({B, H, m, D}, opts);
   at::Tensor lse_a = at::empty({B, H, m}, opts), lse_t = at::empty({B, H, Nq}, opts);
   at::Tensor experts = at::empty({B, H, m, topk}, opts.dtype(at::kLong));
   at::Tensor routes = at::empty({B, H, Nq, num_routed}, opts.dtype(at::kLong));
@@ -1330,8 +1311,8 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
               "mita fused: expert key indices out of range");
   TORCH_CHECK(routes.numel() == 0 || (routes.min().item<int64_t>() >= 0 && routes.max().item<int64_t>() < m),
               "mita fused: routes out of range");
-  at::Tensor dq = empty_huge(q.sizes(), q.options()), dl = at::zeros_like(landmarks);
-  at::Tensor dk = empty_huge({B, H, Nk, D}, q.options()), dv = empty_huge({B, H, Nk, D}, q.options());
+  at::Tensor dq = at::empty(q.sizes(), q.options()), dl = at::zeros_like(landmarks);
+  at::Tensor dk = at::empty({B, H, Nk, D}, q.options()), dv = at::empty({B, H, Nk, D}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mita_fused_backward", [&] {
     backward_impl<scalar_t>(dout, q, k, v, landmarks, km, qm, experts, routes, out, v_shared, lse_a, lse_t, scale,
                             landmark_scale, bins, dlandmarks.has_value() ? &*dlandmarks : nullptr, dq, dk, dv, dl);
