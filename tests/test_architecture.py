@@ -1,23 +1,38 @@
-"""The package's import graph: dependencies point one way (ops -> layers -> models -> integrations)."""
+"""The import graph: dependencies point one way.
+
+The library (``mita``): ops -> layers -> models -> integrations, ``mita.utils`` below all, and
+nothing of the experiments. The experiments (``mita_experiments``): each experiment package
+imports the library, ``mita_experiments.utils`` and the trainer, never another package's
+private names; the trainer and the utils import no experiment.
+"""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import pytest
+
 import mita
 
-ROOT = Path(mita.__file__).parent
+ROOTS = {"mita": Path(mita.__file__).parent}
+try:
+    import mita_experiments
+
+    ROOTS["mita_experiments"] = Path(mita_experiments.__file__).parent
+except ImportError:  # the library installed alone
+    pass
 ABOVE_OPS = ("mita.layers", "mita.models", "mita.integrations", "mita.attention", "mita.registrations")
+EXPERIMENTS = ("lra", "recall", "vision", "video", "benchmarks")
 
 
-def _module_name(path: Path) -> str:
-    parts = ("mita", *path.relative_to(ROOT).with_suffix("").parts)
+def _module_name(root: str, path: Path) -> str:
+    parts = (root, *path.relative_to(ROOTS[root]).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-MODULES = {_module_name(p): p for p in ROOT.rglob("*.py")}
-PACKAGES = {_module_name(p) for p in ROOT.rglob("__init__.py")}
+FILES = {_module_name(r, p): p for r, base in ROOTS.items() for p in base.rglob("*.py")}
+PACKAGES = {_module_name(r, p) for r, base in ROOTS.items() for p in base.rglob("__init__.py")}
 
 
 def _type_checking_only(node: ast.AST) -> bool:
@@ -25,8 +40,9 @@ def _type_checking_only(node: ast.AST) -> bool:
 
 
 def imports(name: str) -> set[str]:
-    """The mita modules ``name`` imports anywhere (function bodies too; ``if TYPE_CHECKING`` blocks aside)."""
-    path = MODULES[name]
+    """The modules and names ``name`` imports from mita or mita_experiments, anywhere (function
+    bodies too; ``if TYPE_CHECKING`` blocks aside), as dotted paths."""
+    path = FILES[name]
     package = name if name in PACKAGES else name.rpartition(".")[0]
     found: set[str] = set()
     stack: list[ast.AST] = [ast.parse(path.read_text())]
@@ -44,10 +60,16 @@ def imports(name: str) -> set[str]:
                 base = ".".join([*parts[: len(parts) - node.level + 1], *filter(None, [base])])
             found.add(base)
             found.update(f"{base}.{a.name}" for a in node.names)
-    return {m for m in found if m in MODULES}
+    return {m for m in found if m.split(".")[0] in ROOTS}
 
 
-GRAPH = {name: imports(name) for name in MODULES}
+NAMES = {name: imports(name) for name in FILES}
+GRAPH = {name: {m for m in deps if m in FILES} for name, deps in NAMES.items()}
+
+
+def _bad(prefix: str, forbidden) -> dict[str, list[str]]:
+    found = {n: sorted(m for m in d if forbidden(m)) for n, d in GRAPH.items() if n.startswith(prefix)}
+    return {k: v for k, v in found.items() if v}
 
 
 def test_no_import_cycles_between_modules() -> None:
@@ -71,18 +93,16 @@ def test_no_import_cycles_between_modules() -> None:
 
 
 def test_ops_import_nothing_above_them() -> None:
-    bad = {
-        name: sorted(m for m in deps if m.startswith(ABOVE_OPS))
-        for name, deps in GRAPH.items()
-        if name.startswith("mita.ops")
-    }
-    assert not {k: v for k, v in bad.items() if v}, bad
+    assert not (bad := _bad("mita.ops", lambda m: m.startswith(ABOVE_OPS))), bad
 
 
 def test_layers_import_no_models_or_integrations() -> None:
     above = ("mita.models", "mita.integrations", "mita.attention", "mita.registrations")
-    bad = {n: sorted(m for m in d if m.startswith(above)) for n, d in GRAPH.items() if n.startswith("mita.layers")}
-    assert not {k: v for k, v in bad.items() if v}, bad
+    assert not (bad := _bad("mita.layers", lambda m: m.startswith(above))), bad
+
+
+def test_the_library_imports_no_experiment() -> None:
+    assert not (bad := _bad("mita.", lambda m: m.startswith("mita_experiments"))), bad
 
 
 def test_the_graph_sees_the_imports() -> None:
@@ -94,9 +114,34 @@ def test_the_graph_sees_the_imports() -> None:
 
 def test_utils_import_only_utils() -> None:
     """``mita.utils`` is below everything: it may import torch and the standard library, no other mita module."""
+    assert GRAPH.get("mita.utils.options") is not None
+    assert not (bad := _bad("mita.utils", lambda m: not m.startswith("mita.utils"))), bad
+
+
+needs_experiments = pytest.mark.skipif("mita_experiments" not in ROOTS, reason="mita-experiments not installed")
+
+
+@needs_experiments
+def test_experiment_utils_import_no_experiment() -> None:
+    ok = ("mita_experiments.utils", "mita.utils")
+    assert GRAPH.get("mita_experiments.utils.checkpoint") is not None
+    assert not (bad := _bad("mita_experiments.utils", lambda m: not m.startswith(ok))), bad
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+@needs_experiments
+def test_no_private_imports_across_packages() -> None:
+    """A module imports another package's public names only (``from x import _y`` stays inside x's package)."""
+
+    def package_of(name: str) -> str:
+        parts = name.split(".")
+        return ".".join(parts[:2]) if parts[0] == "mita_experiments" else parts[0]
+
     bad = {
-        n: sorted(m for m in d if not m.startswith("mita.utils"))
-        for n, d in GRAPH.items()
-        if n.startswith("mita.utils")
+        n: sorted(m for m in names if _private(m.rpartition(".")[2]) and package_of(m) != package_of(n))
+        for n, names in NAMES.items()
     }
-    assert GRAPH.get("mita.utils.checkpoint") and not {k: v for k, v in bad.items() if v}, bad
+    assert not {k: v for k, v in bad.items() if v}, bad

@@ -1,0 +1,182 @@
+"""``mita recall generate|train|eval|sweep|report``: multi-query associative recall (spec section 9).
+
+    mita recall generate --out data/recall --set data.seq_len=512 --set data.num_pairs=32
+    mita recall train --out runs/recall-sdpa --attention sdpa --set data.num_pairs=32
+    mita recall eval --checkpoint runs/recall-sdpa --attention "mita:num_landmarks=32,topk=32"
+    mita recall sweep --out runs/sweep --methods sdpa mita linear --lengths 512 --pairs 8 32 128
+    mita recall report --out runs/sweep
+
+The configuration (``mita/recall/configs/recall.json``: data, model, train) is changed with
+``--set section.key=value``; without ``--data`` the data is generated from ``data.seed``.
+``torchrun --nproc_per_node N -m mita.cli recall train ...`` trains with DDP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from mita.utils.options import parse_assignments
+
+from ..lra.cli import add_training_arguments
+from ..utils.files import atomic_write_text, check_output_file
+from ..utils.flags import add_force, add_out
+
+EVAL_FIELDS = ["checkpoint", "step", "trained_with", "attention", "options", "split", "accuracy", "loss"]
+
+
+def _set(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="a JSON configuration file instead of the packaged one")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one configuration value, e.g. data.num_pairs=64 (repeatable)",
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from . import data, task
+
+    cfg = task.config(overrides=args.set, path=args.config)["data"]
+    sizes = {name: int(cfg[f"num_{name}"]) for name in data.SPLITS}
+    print(data.save(args.out, task.spec_of(cfg), sizes, int(cfg["seed"]), overwrite=args.force))
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from ..lra.cli import train_with
+    from . import task
+
+    cfg = task.config(overrides=args.set, path=args.config)
+    return train_with(args, cfg, lambda: task.task_data(cfg["data"], args.data))
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from ..lra.train import evaluate_checkpoint
+    from ..utils.distributed import init_distributed
+    from . import sweep, task
+
+    out = check_output_file(args.out, force=args.force) if args.out else None
+    run = Path(args.checkpoint)
+    cfg = sweep.load_run_config(run if run.is_dir() else run.parent)
+    ctx = init_distributed(args.device)
+    result = evaluate_checkpoint(
+        run,
+        task.task_data(cfg["data"], args.data),
+        attention=args.attention,
+        options=parse_assignments(args.option, "--option"),
+        split=args.split,
+        batch_size=args.batch_size,
+        ctx=ctx,
+    )
+    if ctx.main:
+        text = json.dumps(result, indent=2)
+        print(text)
+        if out is not None:
+            atomic_write_text(out, text + "\n")
+        if args.csv:
+            row = {k: result[k] for k in EVAL_FIELDS}
+            row["options"] = json.dumps(row["options"])
+            sweep.append_row(Path(args.csv), row, EVAL_FIELDS)
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from . import sweep
+
+    cells = sweep.grid(args.methods, args.lengths, args.pairs, args.ratio, args.seeds)
+    if args.set:
+        from . import task
+
+        task.config(overrides=args.set)  # fail on a bad override before the first run
+    for row in sweep.sweep(cells, args.out, args.set, args.batch_tokens, progress=not args.no_progress):
+        print(json.dumps(row), flush=True)
+    for path in sweep.plot(args.out):
+        print(path)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from . import sweep
+
+    rows = sweep.read_results(args.out)
+    if not rows:
+        raise FileNotFoundError(f"no {sweep.RESULTS} with rows in {args.out}; run `mita recall sweep` first")
+    print(sweep.table(rows))
+    for path in sweep.plot(args.out, rows):
+        print(path)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "recall",
+        help="associative recall: generate, train, evaluate, sweep methods x N x P",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    rc = p.add_subparsers(dest="recall_command", required=True, metavar="SUBCOMMAND")
+
+    g = rc.add_parser("generate", help="write train/val/test .npz files and meta.json")
+    _set(g)
+    add_out(g, "output folder", required=True)
+    add_force(g, "replace existing files")
+    g.set_defaults(func=cmd_generate)
+
+    t = rc.add_parser("train", help="train a model (resumable; DDP under torchrun)")
+    _set(t)
+    add_out(t, "run folder for checkpoints and logs (never overwritten)", required=True)
+    t.add_argument("--attention", default="sdpa", help="registered attention or config, e.g. 'mita:topk=32'")
+    t.add_argument("--data", help="a folder written by `mita recall generate` (default: generate from the config)")
+    add_training_arguments(t)
+    t.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if available)")
+    t.set_defaults(func=cmd_train)
+
+    e = rc.add_parser("eval", help="evaluate a run, optionally with another attention or MiTA m, k, s")
+    e.add_argument("--checkpoint", required=True, help="a run folder (its best.pt) or a .pt file in one")
+    e.add_argument("--attention", help="evaluate with this attention instead of the trained one (swap)")
+    e.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="attention option at evaluation, e.g. num_landmarks=64 (repeatable)",
+    )
+    e.add_argument("--data", help="a folder written by `mita recall generate` (default: the run's own data)")
+    e.add_argument("--split", default="test", choices=["train", "val", "test"])
+    e.add_argument("--batch-size", type=int)
+    e.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    add_out(e, "also write the result as JSON here")
+    add_force(e, "replace --out if it exists")
+    e.add_argument("--csv", help="append the result as one row to this CSV (created with a header)")
+    e.set_defaults(func=cmd_eval)
+
+    s = rc.add_parser("sweep", help="train a grid of methods x N x P (resumes; one CSV row per run) and plot it")
+    add_out(s, "sweep folder: results.csv, runs/, plots (continued if it exists)", required=True)
+    s.add_argument("--methods", nargs="+", required=True, help="attention configs, e.g. sdpa 'mita:topk=32'")
+    s.add_argument("--lengths", type=int, nargs="+", required=True, help="sequence lengths N")
+    group = s.add_mutually_exclusive_group(required=True)
+    group.add_argument("--pairs", type=int, nargs="+", help="numbers of pairs P (crossed with --lengths)")
+    group.add_argument("--ratio", type=float, help="P = round(ratio * N) at each N")
+    s.add_argument("--seeds", type=int, nargs="+", default=[0], help="data and training seeds (default 0)")
+    s.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="configuration override for every run, e.g. train.steps=500 (repeatable)",
+    )
+    s.add_argument(
+        "--batch-tokens",
+        type=int,
+        help="batch = min(train.batch_size, this // N) sequences: the same tokens per step at every N",
+    )
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.set_defaults(func=cmd_sweep)
+
+    r = rc.add_parser("report", help="a sweep's results as a Markdown table, and its plots (again)")
+    add_out(r, "the sweep folder", required=True)
+    r.set_defaults(func=cmd_report)

@@ -1,0 +1,272 @@
+"""A whole timm DeiT converted to MiTA against itself unconverted, side by side (``mita vision bench``).
+
+Random weights (no download). For each model, image size and mode, the unconverted model
+(timm's attention, ``timm``) and a copy converted by ``mita.convert(model, "mita",
+num_landmarks=m, topk=k)`` start from the same weights and see the same input; each round
+times one call of each, alternating, after a warm-up call each
+(:func:`mita_experiments.benchmarks.timing.alternating_rounds`), and the result is the median over rounds.
+
+* ``infer``: one forward of a batch in eval mode under ``torch.inference_mode()``;
+* ``train``: one training step in train mode (dropout as the model's defaults, off for timm's
+  DeiT): forward, cross-entropy on fixed labels, backward, an AdamW step; each variant has its
+  own optimizer.
+
+MiTA approximates attention, so the outputs differ; what is checked is that they are finite
+(the logits of the warm-up forward, the loss of the warm-up step).
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..benchmarks.timing import alternating_rounds
+from ..utils.files import atomic_write, atomic_write_text
+from ..utils.machine import describe
+from .flops import markdown_table
+
+MODELS = ("deit_small_patch16_224", "deit_tiny_patch16_224")
+MODES = ("infer", "train")
+BASELINE = "timm"  # the unconverted model's name in the rows
+REPORT, CSV = "report.md", "results.csv"
+LR, WEIGHT_DECAY = 5e-4, 0.05  # DeiT's AdamW; the values do not change the time of a step
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """One measured setting: ``image`` px square inputs, ``batch`` images a call, MiTA's m and k."""
+
+    image: int
+    batch: int
+    landmarks: int  # m, a perfect square (2-D landmarks on the patch grid)
+    topk: int  # k
+
+    def __str__(self) -> str:
+        return f"{self.image}:{self.batch}:{self.landmarks}:{self.topk}"
+
+
+#: issue 11's settings: 224 px at batch 16 with m = k = 25, 512 px at batch 4 with m = k = 49
+SIZES = (Size(224, 16, 25, 25), Size(512, 4, 49, 49))
+
+
+def parse_size(text: str) -> Size:
+    """``"PX:BATCH:M[:K]"`` (k = m when left out) as a :class:`Size`; a ValueError names ``--sizes``."""
+    parts = text.split(":")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) not in (3, 4):
+        raise ValueError(f"--sizes takes PX:BATCH:M[:K] whole numbers (e.g. 224:16:25:25), got {text!r}")
+    size = Size(*values[:3], values[3] if len(values) == 4 else values[2])
+    if size.image < 1 or size.batch < 1 or size.topk < 1:
+        raise ValueError(f"--sizes {text}: image size, batch and k must be >= 1")
+    if size.landmarks < 1 or math.isqrt(size.landmarks) ** 2 != size.landmarks:
+        raise ValueError(
+            f"--sizes {text}: m must be a perfect square (landmarks on the patch grid), got {size.landmarks}"
+        )
+    return size
+
+
+def _create(name: str, image: int, model_kwargs: dict[str, Any]) -> torch.nn.Module:
+    import timm
+
+    return timm.create_model(name, pretrained=False, img_size=image, **model_kwargs)
+
+
+def check_settings(
+    models: Sequence[str], sizes: Sequence[Size], modes: Sequence[str], rounds: int, model_kwargs: dict[str, Any]
+) -> None:
+    """Every setting checked before any work, each error naming its flag: known timm models that
+    :func:`mita.convert` takes, image sizes that are multiples of each model's patch size, modes, rounds."""
+    import timm
+
+    from mita.models.convert import convert
+
+    if rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {rounds}")
+    if not models or not sizes or not modes:
+        raise ValueError("--models, --sizes and --modes each need at least one value")
+    bad = sorted(set(modes) - set(MODES))
+    if bad:
+        raise ValueError(f"--modes takes {list(MODES)}, got {bad}")
+    for name in models:
+        if not timm.is_model(name):
+            raise ValueError(f"--models: {name!r} is not a timm model")
+        with torch.device("meta"):  # no memory, no initialization work
+            model = _create(name, sizes[0].image, model_kwargs)
+            patch = getattr(getattr(model, "patch_embed", None), "patch_size", None)
+            if patch is None:
+                raise ValueError(f"--models: {name!r} has no patch embedding (a timm ViT is needed)")
+            for size in sizes:
+                if size.image % patch[0] or size.image % patch[1]:
+                    raise ValueError(
+                        f"--sizes {size}: {size.image} px is not a multiple of {name}'s patch size {tuple(patch)}"
+                    )
+            convert(model, "mita", num_landmarks=sizes[0].landmarks, topk=sizes[0].topk)
+
+
+def variants(name: str, size: Size, model_kwargs: dict[str, Any], seed: int = 0) -> dict[str, torch.nn.Module]:
+    """``{"timm": model, "mita": converted copy}`` of the same random weights at ``size``'s image size."""
+    from mita.models.convert import convert
+
+    torch.manual_seed(seed)
+    base = _create(name, size.image, model_kwargs)
+    converted = convert(copy.deepcopy(base), "mita", num_landmarks=size.landmarks, topk=size.topk)
+    return {BASELINE: base, "mita": converted}
+
+
+def inference_call(model: torch.nn.Module, images: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """One forward of ``images`` in eval mode under inference mode; returns the logits."""
+    model.eval()
+
+    def forward() -> torch.Tensor:
+        with torch.inference_mode():
+            return model(images)
+
+    return forward
+
+
+def training_call(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """One training step of ``model`` (train mode, its own AdamW): forward, cross-entropy on ``labels``,
+    backward, optimizer step; returns the loss."""
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+
+    def step() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(images), labels)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return step
+
+
+def measure(
+    name: str,
+    size: Size,
+    mode: str,
+    rounds: int,
+    *,
+    model_kwargs: dict[str, Any] | None = None,
+    on_round: Callable[[int, dict[str, float]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """The rows of one model, size and mode: the unconverted model first, then MiTA.
+
+    Args:
+        name: a timm ViT name (``deit_small_patch16_224``).
+        size: image size, batch, m and k.
+        mode: ``"infer"`` or ``"train"`` (see the module doc).
+        rounds: timed rounds, one call of each variant each.
+        model_kwargs: extra ``timm.create_model`` options (``depth=2`` for quick tests).
+        on_round: progress callback of :func:`~mita_experiments.benchmarks.timing.alternating_rounds`.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+    models = variants(name, size, model_kwargs or {})
+    gen = torch.Generator().manual_seed(1)
+    images = torch.randn(size.batch, 3, size.image, size.image, generator=gen)
+    num_classes = models[BASELINE].num_classes
+    labels = torch.randint(0, num_classes, (size.batch,), generator=gen)
+    make = inference_call if mode == "infer" else lambda m, x: training_call(m, x, labels)
+    measured = alternating_rounds({v: make(m, images) for v, m in models.items()}, rounds, on_round=on_round)
+    base = measured.median(BASELINE)
+    grid = models[BASELINE].patch_embed.grid_size
+    tokens = grid[0] * grid[1] + int(getattr(models[BASELINE], "num_prefix_tokens", 0))
+    rows = []
+    for variant in models:
+        median = measured.median(variant)
+        rows.append(
+            {
+                "model": name,
+                "px": size.image,
+                "N": tokens,
+                "batch": size.batch,
+                "mode": mode,
+                "attention": variant if variant == BASELINE else f"mita m={size.landmarks} k={size.topk}",
+                "seconds (median)": median,
+                "images/s": size.batch / median,
+                "steps/s": 1 / median if mode == "train" else "",
+                "speed-up": base / median,
+                "rounds": rounds,
+                "finite": bool(torch.isfinite(measured.outputs[variant]).all()),
+            }
+        )
+    return rows
+
+
+def run(
+    models: Sequence[str],
+    sizes: Sequence[Size],
+    modes: Sequence[str],
+    rounds: int,
+    *,
+    model_kwargs: dict[str, Any] | None = None,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Every model x size x mode (:func:`measure`), with a progress bar over the timed rounds; each row
+    also carries the machine line."""
+    from tqdm import tqdm
+
+    tasks = [(name, size, mode) for name in models for size in sizes for mode in modes]
+    rows = []
+    machine = describe()
+    with tqdm(total=len(tasks) * rounds, desc="mita vision bench", unit="round", disable=not progress) as bar:
+        for name, size, mode in tasks:
+            bar.set_description(f"{name} {size.image} px {mode}")
+
+            def advance(r: int, seconds: dict[str, float]) -> None:
+                bar.set_postfix({v: f"{t:.2f} s" for v, t in seconds.items()})
+                bar.update()
+
+            rows += [
+                {**row, "machine": machine}
+                for row in measure(name, size, mode, rounds, model_kwargs=model_kwargs, on_round=advance)
+            ]
+    return rows
+
+
+def report(rows: Iterable[dict[str, Any]], command: str, threads: int) -> str:
+    """The Markdown report: what was measured, the command, the machine, the table (without the machine column)."""
+    rates = ("images/s", "steps/s")  # 3 significant digits: a training step at 512 px is well under 1/s on a CPU
+    rows = [
+        {k: f"{v:.3g}" if k in rates and isinstance(v, float) else v for k, v in row.items() if k != "machine"}
+        for row in rows
+    ]
+    return "\n".join(
+        [
+            "# Whole-model speed: timm DeiT converted to MiTA vs unconverted",
+            "",
+            f"Command: `{command}`",
+            "",
+            f"Machine: {describe()}",
+            "",
+            f"Random weights, float32, {threads} torch threads. Each round times one call of each model, "
+            "alternating, after one warm-up call each; the seconds are the median over the rounds and the "
+            "speed-up is over the unconverted model measured in the same process. infer: a forward in eval "
+            "mode under torch.inference_mode(); train: forward, cross-entropy, backward and an AdamW step. "
+            "finite: that model's output (the logits, or the loss) has no NaN or infinity; MiTA "
+            "approximates attention, so the two outputs are not compared.",
+            "",
+            markdown_table(rows),
+        ]
+    )
+
+
+def write_outputs(out: Path, rows: list[dict[str, Any]], command: str, threads: int) -> tuple[Path, Path]:
+    """``out/report.md`` and ``out/results.csv`` (one row per model x size x mode x attention), written atomically."""
+    atomic_write_text(out / REPORT, report(rows, command, threads))
+    with atomic_write(out / CSV, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return out / REPORT, out / CSV

@@ -1,0 +1,250 @@
+"""``mita vision``: FLOP tables, the digits experiments (swap, robustness, pruning), whole-model speed
+and the ImageNet trainer."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from ..utils.files import atomic_write_text
+from ..utils.flags import add_force, add_out
+from .bench import MODELS, MODES, SIZES
+from .digits import DigitsSetup
+from .experiments import ROBUSTNESS_K, ROBUSTNESS_M
+
+_DIGITS_DEFAULTS = DigitsSetup()
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command that produced a report, rebuilt from the parsed arguments."""
+    sub = f"{args.command}_command"  # vision_command, video_command, ...
+    parts = ["mita", args.command, getattr(args, sub)]
+    for key, value in vars(args).items():
+        if key in ("func", "command", sub) or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        elif isinstance(value, (list, tuple)):
+            parts.append(f"{flag} {' '.join(str(v) for v in value)}")
+        else:
+            parts.append(f"{flag} {value}")
+    return " ".join(parts)
+
+
+def digits_setup(args: argparse.Namespace, attention: str) -> DigitsSetup:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    return DigitsSetup(attention=attention, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+
+
+def cmd_flops(args: argparse.Namespace) -> int:
+    """``mita vision flops``: FLOP and parameter tables, full attention against MiTA."""
+    from . import flops
+    from .experiments import prepare_output
+
+    out = prepare_output(args.out, args.force) if args.out else None  # checked before the tables are computed
+
+    rows = [flops.backbone_row(b, counted=not args.no_counted) for b in flops.TABLE_BACKBONES]
+    sweep = flops.length_sweep()
+    at512 = {r["model"]: r["reduction (%)"] for r in rows if r["N"] == 1025}
+    claim = ", ".join(f"{name} {value:.1f}%" for name, value in at512.items())
+    text = "\n".join(
+        [
+            "## FLOPs and parameters, full attention vs MiTA (batch 1, FLOPs = 2 x MACs)",
+            "",
+            flops.markdown_table(rows),
+            f"Reduction at 512x512 (backbone only), measured: {claim}. The paper: {flops.PAPER_CLAIM}.",
+            "",
+            "## FLOPs against sequence length (ViT-S backbone, m = k = 49)",
+            "",
+            flops.markdown_table(sweep),
+        ]
+    )
+    print(text)
+    if out is not None:
+        from .experiments import pyplot
+
+        lengths = [2**p for p in range(7, 17)]
+        per_head = flops.method_flops_per_head(lengths)
+        plt = pyplot()
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for name, values in per_head.items():
+            ax1.loglog(lengths, values, marker=".", label=name)
+        ax1.set(xlabel="sequence length N", ylabel="attention FLOPs per head (D = 64)", title="registry defaults")
+        ax1.legend(fontsize=7)
+        n = [r["N"] for r in sweep]
+        ax2.plot(n, [r["full GFLOPs"] for r in sweep], marker="o", label="full attention")
+        ax2.plot(n, [r["MiTA GFLOPs"] for r in sweep], marker="o", label="MiTA, m = k = 49")
+        ax2.set(xlabel="tokens N (224 to 1024 px)", ylabel="GFLOPs", title="ViT-S backbone")
+        ax2.legend()
+        fig.tight_layout()
+        fig.savefig(out / "flops_vs_length.png", dpi=120)
+        plt.close(fig)
+        figure = "![FLOPs against length](flops_vs_length.png)"
+        atomic_write_text(out / "report.md", f"# FLOP tables\n\nCommand: `{command_line(args)}`\n\n{text}\n{figure}\n")
+        print(f"wrote {out / 'report.md'}")
+    return 0
+
+
+def cmd_swap(args: argparse.Namespace) -> int:
+    """``mita vision swap``: train with SDPA, evaluate with every other attention."""
+    from .experiments import prepare_output, run_swap
+
+    out = prepare_output(args.out, args.force)
+    run_swap(out, digits_setup(args, "sdpa"), args.attention, command_line(args), force=args.force)
+    print(f"wrote {out / 'report.md'}")
+    return 0
+
+
+def cmd_robustness(args: argparse.Namespace) -> int:
+    """``mita vision robustness``: MiTA trained with small m, k, evaluated with larger ones."""
+    from .experiments import prepare_output, run_robustness
+
+    out = prepare_output(args.out, args.force)
+    run_robustness(
+        out,
+        digits_setup(args, args.train_attention),
+        tuple(args.m),
+        tuple(args.k),
+        command_line(args),
+        force=args.force,
+    )
+    print(f"wrote {out / 'report.md'}")
+    return 0
+
+
+def cmd_pruning(args: argparse.Namespace) -> int:
+    """``mita vision pruning``: the tokens no MiTA expert selects, per layer."""
+    from .experiments import prepare_output, run_pruning
+
+    out = prepare_output(args.out, args.force)
+    run_pruning(out, digits_setup(args, args.train_attention), command_line(args), force=args.force)
+    print(f"wrote {out / 'report.md'}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """``mita vision train``: the DeiT recipe on an ImageFolder tree (under torchrun: DDP)."""
+    from .train import run
+
+    run(args)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``mita vision bench``: whole timm DeiTs converted to MiTA against themselves unconverted, side by side."""
+    from ..utils.files import prepare_output_dir
+    from . import bench
+    from .train import model_args
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    sizes = [bench.parse_size(text) for text in args.sizes]
+    kwargs = model_args(args.model_args)
+    bench.check_settings(args.models, sizes, args.modes, args.rounds, kwargs)
+    out = prepare_output_dir(args.out, force=args.force)  # checked before any work
+    rows = bench.run(args.models, sizes, args.modes, args.rounds, model_kwargs=kwargs)
+    report, table = bench.write_outputs(out, rows, command_line(args), torch.get_num_threads())
+    print(report.read_text())
+    print(f"wrote {report} and {table}")
+    return 0
+
+
+def add_digits_arguments(p: argparse.ArgumentParser, out: str, defaults: DigitsSetup = _DIGITS_DEFAULTS) -> None:
+    add_out(p, f"output folder (default {out})", default=Path(out), type=Path)
+    add_force(p, "write into a non-empty --out (an existing report, a mismatched checkpoint)")
+    p.add_argument("--epochs", type=int, default=defaults.epochs)
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--threads", type=int, help="torch threads (1 is fastest on a busy machine)")
+
+
+def _add_train_parser(vision: argparse._SubParsersAction) -> None:
+    p = vision.add_parser("train", help="train a (MiTA-)DeiT on an ImageFolder tree; run it under torchrun")
+    p.add_argument("--data", required=True, help="folder with train/<class>/... and val/<class>/...")
+    what = "folder for checkpoint.pth, model.safetensors, log.jsonl, summary.json"
+    add_out(p, what, required=True, deprecated=["--output"])
+    p.add_argument("--model", default="mita_deit_small_patch16_224", help="any timm model name")
+    p.add_argument("--model-args", help="extra create_model options, e.g. 'num_landmarks=25,topk=25,compat=official'")
+    p.add_argument("--img-size", type=int, default=224)
+    p.add_argument("--epochs", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=128, help="per process (DeiT: 8 GPUs x 128 = 1024)")
+    p.add_argument("--lr", type=float, default=5e-4, help="for a total batch of 512, scaled linearly")
+    p.add_argument("--weight-decay", type=float, default=0.05)
+    p.add_argument("--warmup-epochs", type=int, default=5)
+    p.add_argument("--drop-path", type=float, default=0.1)
+    p.add_argument("--aa", default="rand-m9-mstd0.5-inc1", help="timm auto-augment policy ('' for none)")
+    p.add_argument("--reprob", type=float, default=0.25, help="random erasing probability")
+    p.add_argument("--mixup", type=float, default=0.8)
+    p.add_argument("--cutmix", type=float, default=1.0)
+    p.add_argument("--smoothing", type=float, default=0.1)
+    p.add_argument("--clip-grad", type=float, default=None)
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--amp", action="store_true", help="bfloat16 autocast")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (smoke tests)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pth")
+    add_force(p, "start over even if --out holds a run")
+    p.set_defaults(func=cmd_train)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "vision", help="ViTs with MiTA: FLOP tables, digits experiments, whole-model speed, ImageNet trainer"
+    )
+    vision = parser.add_subparsers(dest="vision_command", required=True, metavar="VISION_COMMAND")
+
+    p = vision.add_parser("flops", help="FLOP and parameter tables, full attention vs MiTA")
+    add_out(p, "also write report.md and flops_vs_length.png here", type=Path)
+    add_force(p, "write into a non-empty --out (an existing report)")
+    p.add_argument("--no-counted", action="store_true", help="skip counting the MiTA implementation itself")
+    p.set_defaults(func=cmd_flops)
+
+    p = vision.add_parser("swap", help="train with SDPA, evaluate with MiTA and the other methods")
+    add_digits_arguments(p, "runs/vision/swap")
+    p.add_argument("--attention", nargs="+", help="configs to evaluate (default: every registered method)")
+    p.set_defaults(func=cmd_swap)
+
+    p = vision.add_parser("robustness", help="train MiTA with small m, k; evaluate on a grid of larger m, k")
+    add_digits_arguments(p, "runs/vision/robustness")
+    p.add_argument("--train-attention", default="mita:num_landmarks=4,topk=4", help="the MiTA config trained")
+    p.add_argument("--m", type=int, nargs="+", default=list(ROBUSTNESS_M), help="landmarks (squares)")
+    p.add_argument("--k", type=int, nargs="+", default=list(ROBUSTNESS_K), help="keys per expert")
+    p.set_defaults(func=cmd_robustness)
+
+    p = vision.add_parser("pruning", help="tokens no MiTA expert selects, per layer, and heat maps")
+    add_digits_arguments(p, "runs/vision/pruning")
+    p.add_argument("--train-attention", default="mita:num_landmarks=16,topk=16", help="the MiTA config trained")
+    p.set_defaults(func=cmd_pruning)
+
+    p = vision.add_parser("bench", help="whole timm DeiTs converted to MiTA vs unconverted: images/s, steps/s")
+    p.add_argument("--models", nargs="+", default=list(MODELS), help="timm ViT names")
+    p.add_argument(
+        "--sizes",
+        nargs="+",
+        default=[str(s) for s in SIZES],
+        metavar="PX:BATCH:M[:K]",
+        help="image size, batch, MiTA landmarks m (a square) and keys k (default k = m)",
+    )
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="infer: a forward; train: a step")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds (one call of each model per round)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--model-args", help="extra create_model options for every model, e.g. 'depth=2'")
+    add_out(
+        p,
+        "folder for report.md and results.csv (default runs/vision/bench)",
+        default=Path("runs/vision/bench"),
+        type=Path,
+    )
+    add_force(p, "write into a non-empty --out (an existing report)")
+    p.set_defaults(func=cmd_bench)
+
+    _add_train_parser(vision)

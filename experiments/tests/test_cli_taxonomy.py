@@ -1,0 +1,14 @@
+"""``mita taxonomy``: the paper's taxonomy table on the command line."""
+
+from __future__ import annotations
+
+from mita import attention as registry
+from mita_experiments.cli import main as cli_main
+
+
+def test_taxonomy_command_prints_markdown(capsys):
+    assert cli_main(["taxonomy"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| method | implemented | scaling |")
+    assert len(lines) == 2 + len(registry.names(implemented=False))
+    assert any(line.startswith("| nsa | no | compression + routing |") for line in lines)

@@ -1,0 +1,160 @@
+"""The digits experiments on a few images: reports, figures, closed-form selection statistics, resume."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+import torch
+
+pytest.importorskip("timm")
+pytest.importorskip("matplotlib")
+
+from mita_experiments.cli import main
+from mita_experiments.vision import digits, experiments
+from mita_experiments.vision.digits import DigitsSetup
+
+TINY = dict(epochs=1, batch_size=16, embed_dim=16, depth=1, num_heads=2)
+
+
+@pytest.fixture(scope="module")
+def data() -> tuple[torch.Tensor, ...]:
+    """32 training and 16 test images of the real digits."""
+    x_train, y_train, x_test, y_test = digits.load_digits(seed=0)
+    return x_train[:32], y_train[:32], x_test[:16], y_test[:16]
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+def test_load_digits_shapes_and_range():
+    x_train, _, x_test, y_test = digits.load_digits(seed=0)
+    assert x_train.shape == (1437, 1, 32, 32) and x_test.shape == (360, 1, 32, 32)
+    torch.testing.assert_close((x_train.mean(), x_train.std()), (torch.tensor(0.0), torch.tensor(1.0)))
+    assert sorted(set(y_test.tolist())) == list(range(10))
+
+
+def test_swap_report(tmp_path, data):
+    configs = ["sdpa", "mita:num_landmarks=4,topk=4", "mita:num_landmarks=64,topk=65"]
+    rows = experiments.run_swap(tmp_path, DigitsSetup(**TINY), configs, "cmd", log=quiet, data=data)
+    assert [r["attention at test time"] for r in rows] == configs
+    model = digits.make_vit(DigitsSetup(**TINY))
+    model.load_state_dict(torch.load(tmp_path / "sdpa.pt", weights_only=True)["model"])
+    base = 100 * digits.evaluate(model, data[2], data[3])
+    assert rows[0]["test accuracy (%)"] == pytest.approx(base)
+    for row in rows:  # the share of the SDPA model's accuracy (undefined if that is 0)
+        expected = 100 * row["test accuracy (%)"] / base if base else float("nan")
+        assert row["retained (%)"] == pytest.approx(expected, nan_ok=True)
+    assert (tmp_path / "swap.png").stat().st_size > 0
+    assert "| mita:num_landmarks=4,topk=4 |" in (tmp_path / "report.md").read_text()
+
+
+def test_swap_configs_cover_the_registry():
+    names = [c.partition(":")[0] for c in experiments.swap_configs()]
+    assert set(names) == set(experiments.registry.names())
+
+
+def test_robustness_grid(tmp_path, data):
+    setup = DigitsSetup(attention="mita:num_landmarks=4,topk=4", **TINY)
+    result = experiments.run_robustness(tmp_path, setup, (1, 4), (2, 65), "cmd", log=quiet, data=data)
+    assert result["grid"].shape == (2, 2)
+    model = digits.make_vit(setup)
+    model.load_state_dict(torch.load(tmp_path / "mita.pt", weights_only=True)["model"])
+    for layer in experiments.mita_layers(model):
+        layer.num_landmarks, layer.topk = 4, 65
+    assert float(result["grid"][1, 1]) == pytest.approx(100 * digits.evaluate(model, data[2], data[3]))
+    assert (tmp_path / "robustness.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("attention", "ms", "match"),
+    [("mita:num_landmarks=4,topk=4", (3,), "perfect squares"), ("sdpa", (4,), r"must be a 'mita:\.\.\.' config")],
+    ids=["m-not-square", "not-mita"],
+)
+def test_robustness_errors(tmp_path, attention, ms, match):
+    with pytest.raises(ValueError, match=match):
+        experiments.run_robustness(tmp_path, DigitsSetup(attention=attention, **TINY), ms, (4,), "cmd")
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "unselected"), [(64, 65, 0.0), (1, 1, 64 / 65), (1, 65, 0.0)], ids=["all", "one-key", "one-expert"]
+)
+def test_selection_statistics_closed_form(m, k, unselected):
+    model = digits.make_vit(DigitsSetup(attention=f"mita:num_landmarks={m},topk={k}", embed_dim=16, depth=2))
+    stats = experiments.selection_statistics(model, torch.rand(3, 1, 32, 32))
+    assert stats["unselected_head"].shape == (2,)
+    torch.testing.assert_close(stats["unselected_head"], torch.full((2,), unselected))
+    assert stats["frequency"].shape == (2, 65) and stats["per_image"].shape == (2, 3, 65)
+    assert not any(layer.record_routing for layer in experiments.mita_layers(model))
+
+
+def test_selection_statistics_needs_mita():
+    with pytest.raises(ValueError, match="no MiTAAttention"):
+        experiments.selection_statistics(digits.make_vit(DigitsSetup(**TINY)), torch.rand(1, 1, 32, 32))
+
+
+def test_chance_unselected():
+    assert experiments.chance_unselected(65, 16, 16) == pytest.approx((49 / 65) ** 16)
+    assert experiments.chance_unselected(65, 2, 100) == 0
+
+
+def test_pruning_report(tmp_path, data):
+    setup = DigitsSetup(attention="mita:num_landmarks=4,topk=8", **TINY)
+    stats = experiments.run_pruning(tmp_path, setup, "cmd", log=quiet, data=data)
+    assert stats["unselected_head"].shape == (1,)
+    assert float(stats["unselected_head"][0]) >= 1 - 4 * 8 / 65  # at most m k distinct tokens
+    for name in ("selection_frequency.png", "selection_examples.png", "report.md"):
+        assert (tmp_path / name).stat().st_size > 0
+    with pytest.raises(ValueError, match=r"must be a 'mita:\.\.\.' config"):
+        experiments.run_pruning(tmp_path, DigitsSetup(**TINY), "cmd", data=data)
+
+
+def test_training_resumes_exactly(tmp_path, data):
+    setup = DigitsSetup(**{**TINY, "epochs": 2})
+    straight, _ = digits.train(setup, data, log=quiet)
+
+    def crash_after_first_epoch(line: str) -> None:
+        if "epoch 1/2" in line:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        digits.train(setup, data, tmp_path / "ckpt.pt", log=crash_after_first_epoch)
+    lines = []
+    resumed, summary = digits.train(setup, data, tmp_path / "ckpt.pt", log=lines.append)
+    assert lines[0].startswith("resumed sdpa") and len(lines) == 2
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+    assert 0 <= summary["test_accuracy"] <= 1
+
+
+def test_checkpoint_of_another_setup(tmp_path, data):
+    digits.train(DigitsSetup(**TINY), data, tmp_path / "ckpt.pt", log=quiet)
+    other = DigitsSetup(**{**TINY, "seed": 1})
+    with pytest.raises(ValueError, match="use another output folder or --force"):
+        digits.train(other, data, tmp_path / "ckpt.pt", log=quiet)
+    digits.train(other, data, tmp_path / "ckpt.pt", restart=True, log=quiet)
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["setup"] == asdict(other)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"epochs": 0}, "epochs must be"), ({"lr": 0.0}, "lr must be"), ({"attention": "nope"}, "not a registered")],
+    ids=["epochs", "lr", "attention"],
+)
+def test_setup_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DigitsSetup(**kwargs)
+
+
+def test_output_folder_rules(tmp_path, capsys):
+    (tmp_path / "report.md").write_text("old")
+    with pytest.raises(FileExistsError, match="--force"):
+        experiments.prepare_output(tmp_path, force=False)
+    assert experiments.prepare_output(tmp_path, force=True) == tmp_path
+    with pytest.raises(ValueError, match="is a file"):
+        experiments.prepare_output(tmp_path / "report.md", force=True)
+    for command in ("swap", "robustness", "pruning"):
+        assert main(["vision", command, "--out", str(tmp_path)]) == 2
+        assert "not empty; pass --force" in capsys.readouterr().err
+    assert (tmp_path / "report.md").read_text() == "old"
