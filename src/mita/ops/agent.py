@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .checks import check_attention
-from .common import real_keys, softmax_allowed, zero_padded
+from .common import real_keys, softmax_allowed, zero_padded, zero_padding
 from .pooling import check_pooling, pool, pool_reference
 
 
@@ -34,9 +34,12 @@ def _prepare(
     biases,
     pool_fn,
 ):
-    """Checked arguments and the agents (given, or pooled by ``pool_fn``).
+    """Checked arguments, the agents (given, or pooled by ``pool_fn``), and q, k, v with padded slots zero.
 
-    Each bias must broadcast to its logits, (B, H, n, Nk) and (B, H, Nq, n).
+    Each bias must broadcast to its logits, (B, H, n, Nk) and (B, H, Nq, n). Padded slots are
+    zeroed, not weighted by the mask (0 * NaN is NaN): a padded query would reach every agent
+    through the pooling and the gradient of the broadcast, a padded key or value every agent
+    through the aggregation.
     """
     cfg = check_attention(
         q,
@@ -47,6 +50,7 @@ def _prepare(
         dropout_p=dropout_p,
         scale=scale,
     )
+    q, k, v = zero_padding(q, k, v, cfg)
     B, H, Nq, D = q.shape
     if agents is None:
         agents = pool_fn(q, check_pooling(num_agents, grid, num_prefix_tokens, Nq, name="num_agents"), cfg.query_mask)
@@ -68,7 +72,7 @@ def _prepare(
             torch.broadcast_shapes(bias.shape, shapes[name])
         except RuntimeError:
             raise ValueError(f"{name} of shape {tuple(bias.shape)} must broadcast to {shapes[name]}") from None
-    return cfg, agents
+    return cfg, agents, q, k, v
 
 
 def _kernels(q, k, agents, cfg, aggregate_bias, broadcast_bias, dropout_p):
@@ -105,7 +109,7 @@ def agent_attention_reference(
     broadcast_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Agent attention as one (Nq, Nk) attention matrix: broadcast kernel times aggregation kernel."""
-    cfg, agents = _prepare(
+    cfg, agents, q, k, v = _prepare(
         q,
         k,
         v,
@@ -164,7 +168,7 @@ def agent_attention(
     Returns:
         The output of shape (B, H, Nq, D) and q's dtype; rows of padded queries are zero.
     """
-    cfg, agents = _prepare(
+    cfg, agents, q, k, v = _prepare(
         q,
         k,
         v,

@@ -1,4 +1,4 @@
-"""Helpers the zoo's ops share: the causal check, the dense masked-softmax reference, row gathers."""
+"""Helpers the zoo's ops share: the causal check, the dense masked-softmax reference, row gathers, padding."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from .checks import AttentionArgs, check_int
-from .tiling import zero_padded
+from .tiling import zero_padded, zero_padding
 
 __all__ = [
     "CHUNK_ELEMENTS",
@@ -19,6 +19,7 @@ __all__ = [
     "real_keys",
     "softmax_allowed",
     "zero_padded",
+    "zero_padding",
 ]
 
 # Elements (of logits or gathered keys) one query chunk may hold when chunk_size is None.

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .checks import check_attention
-from .common import check_causal, chunk_rows, zero_padded
+from .common import check_causal, chunk_rows, zero_padded, zero_padding
 
 
 def feature_map(x: torch.Tensor) -> torch.Tensor:
@@ -21,7 +21,13 @@ def feature_map(x: torch.Tensor) -> torch.Tensor:
 
 
 def _features(q, k, v, key_padding_mask, query_padding_mask, dropout_p, causal, is_causal):
-    """Checked inputs: phi(q) and phi(k) with padded rows zero, the config and the causal flag."""
+    """Checked inputs: phi(q) and phi(k) with padded rows zero, v with padded rows zero, the config and
+    the causal flag.
+
+    The padded slots are zeroed before phi (phi(NaN) is NaN, and so is its zero gradient times
+    phi'(NaN)) and their features after (phi(0) = 1); a padded value must be zero, not merely
+    weighed by phi(k) = 0, as 0 * inf is NaN.
+    """
     cfg = check_attention(
         q,
         k,
@@ -34,12 +40,13 @@ def _features(q, k, v, key_padding_mask, query_padding_mask, dropout_p, causal, 
     if dropout_p:
         raise ValueError(f"linear attention has no attention matrix to drop out; use dropout_p=0, got {dropout_p!r}")
     causal = check_causal(causal, is_causal, q, k)
+    q, k, v = zero_padding(q, k, v, cfg)
     qf, kf = feature_map(q), feature_map(k)
     if cfg.key_mask is not None:  # padded keys contribute nothing
         kf = kf.masked_fill(~cfg.key_mask[:, None, :, None], 0)
     if cfg.query_mask is not None:
         qf = qf.masked_fill(~cfg.query_mask[:, None, :, None], 0)
-    return qf, kf, cfg, causal
+    return qf, kf, v, cfg, causal
 
 
 def _normalise(num: torch.Tensor, den: torch.Tensor, cfg) -> torch.Tensor:
@@ -61,7 +68,7 @@ def linear_attention_reference(
     is_causal: bool = False,
 ) -> torch.Tensor:
     """The matrix form: S = phi(Q) phi(K)^T (lower-triangular if causal), out = S V / S 1."""
-    qf, kf, cfg, causal = _features(q, k, v, key_padding_mask, query_padding_mask, dropout_p, causal, is_causal)
+    qf, kf, v, cfg, causal = _features(q, k, v, key_padding_mask, query_padding_mask, dropout_p, causal, is_causal)
     G = q.shape[1] // k.shape[1]
     S = qf @ kf.repeat_interleave(G, dim=1).transpose(-1, -2)
     if causal:
@@ -98,7 +105,7 @@ def linear_attention(
     Returns:
         The output of shape (B, H, Nq, D) and q's dtype; rows of padded queries are zero.
     """
-    qf, kf, cfg, causal = _features(q, k, v, key_padding_mask, query_padding_mask, dropout_p, causal, is_causal)
+    qf, kf, v, cfg, causal = _features(q, k, v, key_padding_mask, query_padding_mask, dropout_p, causal, is_causal)
     B, H, Nq, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[3]
     G = H // Hkv

@@ -27,6 +27,7 @@ from .common import (
     masked_attention,
     softmax_allowed,
     zero_padded,
+    zero_padding,
 )
 from .tiling import tile_rows
 
@@ -47,6 +48,11 @@ def _route(affinity: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor, bloc
 
 
 def _check(q, k, v, block_size, topk, key_padding_mask, query_padding_mask, dropout_p, scale, causal, is_causal):
+    """Checked arguments, the causal flag, and q, k, v with padded slots zero.
+
+    Zeroed, not weighted by the mask: a zero weight times NaN or inf is NaN, in a block mean
+    (which then routes every query wrongly) as in a value weighed by probability 0.
+    """
     cfg = check_attention(
         q,
         k,
@@ -58,7 +64,7 @@ def _check(q, k, v, block_size, topk, key_padding_mask, query_padding_mask, drop
     )
     check_positive_int("block_size", block_size)
     check_positive_int("topk", topk)
-    return cfg, check_causal(causal, is_causal, q, k)
+    return cfg, check_causal(causal, is_causal, q, k), *zero_padding(q, k, v, cfg)
 
 
 def moba_attention_reference(
@@ -76,7 +82,7 @@ def moba_attention_reference(
     is_causal: bool = False,
 ) -> torch.Tensor:
     """MoBA by its definition: block means, block choice per query, dense attention over the chosen keys."""
-    cfg, causal = _check(
+    cfg, causal, q, k, v = _check(
         q, k, v, block_size, topk, key_padding_mask, query_padding_mask, dropout_p, scale, causal, is_causal
     )
     B, H, Nq, _ = q.shape
@@ -84,12 +90,10 @@ def moba_attention_reference(
     real = key_mask_of(cfg, k)
     keys = k.repeat_interleave(H // k.shape[1], dim=1)
     means, valid = [], []
-    for start in range(0, Nk, block_size):  # mean of the real keys of each block
-        w = real[:, start : start + block_size].to(k.dtype)
-        means.append(
-            (keys[:, :, start : start + block_size] * w[:, None, :, None]).sum(2) / w.sum(1).clamp(min=1)[:, None, None]
-        )
-        valid.append(w.sum(1) > 0)
+    for start in range(0, Nk, block_size):  # mean of the real keys of each block (padded keys are zero)
+        count = real[:, start : start + block_size].sum(1)
+        means.append(keys[:, :, start : start + block_size].sum(2) / count.clamp(min=1)[:, None, None])
+        valid.append(count > 0)
     rows = torch.arange(Nq, device=q.device)
     blocks, ok = _route(
         q @ torch.stack(means, 2).transpose(-1, -2), torch.stack(valid, 1), rows, block_size, causal, topk
@@ -138,7 +142,7 @@ def moba_attention(
     Returns:
         The output of shape (B, H, Nq, D) and q's dtype; rows of padded queries are zero.
     """
-    cfg, causal = _check(
+    cfg, causal, q, k, v = _check(
         q, k, v, block_size, topk, key_padding_mask, query_padding_mask, dropout_p, scale, causal, is_causal
     )
     B, H, Nq, D = q.shape
@@ -149,8 +153,7 @@ def moba_attention(
     kb = F.pad(k, (0, 0, 0, pad)).reshape(B * Hkv * nb, bs, D)  # row g = (b * Hkv + kv head) * nb + block
     vb = F.pad(v, (0, 0, 0, pad)).reshape(B * Hkv * nb, bs, D)
     count = real.sum(-1)  # (B, nb)
-    w = real.to(k.dtype)[:, None, :, :, None]
-    means = (kb.view(B, Hkv, nb, bs, D) * w).sum(3) / count.clamp(min=1)[:, None, :, None]
+    means = kb.view(B, Hkv, nb, bs, D).sum(3) / count.clamp(min=1)[:, None, :, None]  # padded keys are 0
     n_sel = min(topk, nb)
     step = chunk_rows(Nq, B * H * max(nb, n_sel * max(bs, D)), chunk_size)
     batch = torch.arange(B, device=q.device)[:, None, None, None]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .checks import AttentionArgs, check_attention
-from .common import real_keys, softmax_allowed, zero_padded
+from .common import real_keys, softmax_allowed, zero_padded, zero_padding
 from .pooling import Pooling, check_pooling, pool, pool_reference
 
 
@@ -41,7 +41,12 @@ def iterative_pinv(a: torch.Tensor, iterations: int | None = 6) -> torch.Tensor:
 
 def _check(
     q, k, v, num_landmarks, key_padding_mask, query_padding_mask, dropout_p, scale, pinv_iterations
-) -> tuple[AttentionArgs, Pooling]:
+) -> tuple[AttentionArgs, Pooling, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checked arguments, the pooling, and q, k, v with padded slots zero.
+
+    Zeroed, not weighted by the mask (0 * NaN is NaN): a padded query or key would reach
+    every landmark through the segment means, a padded key or value every landmark's values.
+    """
     args = check_attention(
         q,
         k,
@@ -60,7 +65,7 @@ def _check(
         raise ValueError(
             f"pinv_iterations must be an int >= 1, or None for the exact pseudo-inverse, got {pinv_iterations!r}"
         )
-    return args, pooling
+    return args, pooling, *zero_padding(q, k, v, args)
 
 
 def nystrom_attention_reference(
@@ -76,7 +81,7 @@ def nystrom_attention_reference(
     pinv_iterations: int | None = 6,
 ) -> torch.Tensor:
     """The approximate (Nq, Nk) attention matrix F A^+ B, built explicitly, times V."""
-    cfg, pooling = _check(
+    cfg, pooling, q, k, v = _check(
         q, k, v, num_landmarks, key_padding_mask, query_padding_mask, dropout_p, scale, pinv_iterations
     )
     G = q.shape[1] // k.shape[1]
@@ -121,7 +126,7 @@ def nystrom_attention(
     Returns:
         The output of shape (B, H, Nq, D) and q's dtype; rows of padded queries are zero.
     """
-    cfg, pooling = _check(
+    cfg, pooling, q, k, v = _check(
         q, k, v, num_landmarks, key_padding_mask, query_padding_mask, dropout_p, scale, pinv_iterations
     )
     B, H, _, D = q.shape

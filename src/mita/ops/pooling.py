@@ -4,6 +4,7 @@ The pooled tokens are those after the first ``num_prefix_tokens``: a sequence (1
 row-major (gh, gw) grid (2-D) or a (gt, gh, gw) grid (3-D, video), pooled with the bin edges
 of ``adaptive_avg_pool1d/2d/3d`` (spec section 2, step 1). With a padding mask each bin
 averages its real tokens; in 1-D the bins are laid over each sequence's real tokens only.
+Padded tokens are masked out, not weighted by zero, so whatever they hold (NaN, inf) takes no part.
 :func:`pool_reference` is the spec's words, one sequence at a time; :func:`pool` the batched
 path every op uses.
 """
@@ -111,7 +112,7 @@ def pool_reference(x: torch.Tensor, pooling: Pooling, mask: torch.Tensor | None 
                 den = adaptive_pool(w, pooling.shape)
                 if bool((den == 0).any()):
                     raise _empty_bin(b)
-                pooled = adaptive_pool(img * w, pooling.shape) / den
+                pooled = adaptive_pool(img.masked_fill(~real.view(1, 1, *grid), 0), pooling.shape) / den
         out.append(pooled.flatten(2).transpose(1, 2))
     return torch.stack(out)
 
@@ -160,6 +161,7 @@ def pool(x: torch.Tensor, pooling: Pooling, mask: torch.Tensor | None = None) ->
             img = img.unflatten(2, grid)
         pooled = _ADAPTIVE_POOL[len(pooling.shape)](img, pooling.shape)
         return pooled.flatten(2).transpose(1, 2).reshape(B, H, m, D)
+    x = x.masked_fill(~real[:, None, :, None], 0)  # zero weights alone would let NaN through (0 * NaN = NaN)
     if grid is None:  # bins over each sequence's real tokens: the bin of a token is the bin of its rank
         n_real = real.sum(1)  # (B,)
         rank = real.cumsum(1) - 1  # (B, L)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from .checks import check_attention
-from .tiling import zero_padded
+from .tiling import zero_padded, zero_padding
 
 
 def sdpa_attention(
@@ -45,6 +45,9 @@ def sdpa_attention(
         dropout_p=dropout_p,
         scale=scale,
     )
+    # SDPA adds -inf to a padded key's logit and weighs its value by 0: a NaN or inf there (k or v)
+    # still makes NaN, and a padded query's NaN row makes NaN gradients for every key.
+    q, k, v = zero_padding(q, k, v, args)
     mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
     if mask is not None and is_causal:  # SDPA takes one or the other: combine them
         mask = mask & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()

@@ -1,15 +1,11 @@
-"""Tiling rows by group, for one batched matmul per tile (MiTA's routed experts, MoBA's blocks)."""
+"""Tiling rows by group, for one batched matmul per tile (MiTA's routed experts, MoBA's blocks), and
+the zeroing of padded slots (inputs and output rows) every op shares."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from .checks import host_readable
-
-if TYPE_CHECKING:
-    from .mita.config import MiTAConfig
+from .checks import AttentionArgs, host_readable
 
 
 def tile_rows(
@@ -41,10 +37,15 @@ def tile_rows(
 
 
 def zero_padding(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: MiTAConfig
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttentionArgs
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Zero the padded queries, keys and values: whatever a padded slot holds (NaN included)
-    must not reach a product."""
+    """Zero the padded queries, keys and values, as every op's first step.
+
+    Whatever a padded slot holds (NaN, inf, uninitialised memory) must reach no product:
+    a zero weight does not stop it (NaN * 0 = NaN, inf * 0 = NaN), in the forward (pooling
+    weights, probabilities) or the backward (a zero gradient times the slot). ``masked_fill``
+    also gives the padded slots zero gradient. O(N D), no host synchronisation.
+    """
     if cfg.key_mask is not None:
         k = k.masked_fill(~cfg.key_mask[:, None, :, None], 0)
         v = v.masked_fill(~cfg.key_mask[:, None, :, None], 0)
@@ -53,6 +54,6 @@ def zero_padding(
     return q, k, v
 
 
-def zero_padded(out: torch.Tensor, cfg: MiTAConfig) -> torch.Tensor:
-    """Output rows of padded queries (self-attention with a key padding mask) are zero."""
+def zero_padded(out: torch.Tensor, cfg: AttentionArgs) -> torch.Tensor:
+    """Output rows of padded queries (the query mask, or the key mask in self-attention) are zero."""
     return out if cfg.query_mask is None else out.masked_fill(~cfg.query_mask[:, None, :, None], 0)

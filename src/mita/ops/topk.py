@@ -21,6 +21,7 @@ from .common import (
     masked_attention,
     softmax_allowed,
     zero_padded,
+    zero_padding,
 )
 
 
@@ -56,6 +57,7 @@ def topk_attention_reference(
         scale=scale,
     )
     causal = check_causal(causal, is_causal, q, k)
+    q, k, v = zero_padding(q, k, v, cfg)
     kk = min(check_positive_int("topk", topk), k.shape[2])
     rows = torch.arange(q.shape[2], device=q.device)
     allowed = _allowed_keys(cfg, k, rows, causal).expand(*q.shape[:3], k.shape[2])
@@ -108,6 +110,9 @@ def topk_attention(
         scale=scale,
     )
     causal = check_causal(causal, is_causal, q, k)
+    # Masking the logits keeps padded keys out of the forward, but not a NaN key out of dq (its
+    # logit's zero gradient times it), nor a padded value picked with probability 0 (topk > real keys).
+    q, k, v = zero_padding(q, k, v, cfg)
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G, kk = H // Hkv, min(check_positive_int("topk", topk), Nk)
@@ -122,7 +127,11 @@ def topk_attention(
         if masked:
             logits = logits.masked_fill(~_allowed_keys(cfg, k, rows, causal), float("-inf"))
         top, idx = logits.topk(kk, dim=-1)
-        p = softmax_allowed(cfg.scale * top, top > float("-inf") if masked else None)
+        if masked:  # -inf marks a key not allowed; a row with none (a padded causal query) must stay finite
+            kept = top > float("-inf")
+            p = softmax_allowed(cfg.scale * top.masked_fill(~kept, 0), kept)
+        else:
+            p = softmax_allowed(cfg.scale * top, None)
         if dropout_p > 0:
             p = F.dropout(p, dropout_p)
         vals = gather_rows(v, idx.reshape(B, Hkv, G * C * kk)).view(B, H, C, kk, D)
