@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -119,8 +121,12 @@ def test_options_from_config(config, n, expected):
 
 @pytest.mark.parametrize(
     ("config", "n", "match"),
-    [(vit_config(), 51, "square patch grid"), (vit_config(mita_grid="rows"), 65, "'auto', None or")],
-    ids=["auto-not-square", "bad-grid"],
+    [
+        (vit_config(), 51, r"the image's own \(which was not recorded\) or that of the config's image size"),
+        (bert_config(mita_grid="auto"), 31, "or that of a square; got N - num_prefix_tokens = 31 - 0 = 31"),
+        (vit_config(mita_grid="rows"), 65, "'auto', None or"),
+    ],
+    ids=["auto-not-the-grid", "auto-not-square", "bad-grid"],
 )
 def test_option_errors(config, n, match):
     with pytest.raises(ValueError, match=match):
@@ -198,3 +204,41 @@ def test_cross_attention_modules_are_never_self_attention():
     own, _ = mita_attention_forward(SelfAttention(), q, k, v, mask.long())
     torch.testing.assert_close(own, mita_attention(q, k, v, **opts).transpose(1, 2))
     assert (own[1, 6:] == 0).all()
+
+
+def without_tracking(model: torch.nn.Module, grid: list[int]) -> torch.nn.Module:
+    """A copy of the model that pools on ``config.mita_grid = grid``, whatever the image."""
+    fixed = copy.deepcopy(model)
+    for module in fixed.modules():
+        if hasattr(module, "mita_patch_grid"):
+            module.mita_patch_grid = None
+    fixed.config.mita_grid = grid
+    return fixed
+
+
+@pytest.mark.parametrize("switched", [False, True], ids=["from_config", "set_attn_implementation"])
+@pytest.mark.parametrize(
+    ("image", "grid"),
+    [((256, 144), [16, 9]), ((144, 256), [9, 16]), ((192, 192), [12, 12])],
+    ids=["16x9", "9x16", "12x12"],
+)
+def test_interpolate_pos_encoding_pools_each_image_on_its_own_grid(image, grid, switched):
+    """A 256x144 image is 16x9 patches (144 = 12^2 as the config's 192 px, but not 12x12), its transpose 9x16."""
+    config = vit_config(image_size=192, patch_size=16, mita_num_landmarks=[2, 3], mita_topk=12)
+    if switched:
+        model = AutoModel.from_config(config, attn_implementation="sdpa")
+        model.set_attn_implementation("mita")
+    else:
+        model = AutoModel.from_config(config, attn_implementation="mita")
+    x = torch.randn(2, 3, *image)
+    with torch.no_grad():
+        out = model.eval()(x, interpolate_pos_encoding=True).last_hidden_state
+        expected = without_tracking(model, grid)(x, interpolate_pos_encoding=True).last_hidden_state
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_patch_grid_tracking_leaves_other_models_alone():
+    bert = AutoModel.from_config(bert_config(), attn_implementation="mita")
+    vit = AutoModel.from_config(vit_config(), attn_implementation="sdpa")
+    for model in (bert, vit):
+        assert not any(hasattr(m, "mita_patch_grid") or m._forward_pre_hooks for m in model.modules())

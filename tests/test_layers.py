@@ -96,3 +96,83 @@ def test_layers_with_a_3d_grid_convolve_in_3d():
         assert layer(x).shape == x.shape
     with pytest.raises(ValueError, match="agent_bias is defined on 1-D and 2-D layouts"):
         AgentAttention(16, 2, grid=(2, 3, 3), agent_bias=True)
+
+
+#: a bad option of each registered method's layer, and the words its ValueError/TypeError must hold
+BAD_OPTIONS = {
+    "sdpa": [({"scale": -1.0}, "scale must be positive"), ({"dropout_p": 0.1}, r"no options \['dropout_p'\]")],
+    "mita": [
+        ({"num_landmarks": 0}, "num_landmarks must be an int >= 1"),
+        ({"topk": 0}, "topk must be an int >= 1"),
+        ({"num_routed": 0}, "num_routed must be an int >= 1"),
+        ({"num_landmarks": 4, "num_routed": 5}, r"num_routed must be an int in \[1, num_landmarks=4\]"),
+        ({"grid": "auto", "num_landmarks": 5}, "num_landmarks=5 with a 2-D grid must be a perfect square"),
+        ({"grid": (2, 3, 4), "num_landmarks": (2, 2)}, r"num_landmarks with a 3-D grid must be a perfect cube"),
+        ({"grid": (0, 4)}, "grid must be None, 'auto', .* of ints >= 1"),
+        ({"num_prefix_tokens": -1}, "num_prefix_tokens must be an int >= 0"),
+        ({"landmarks": None}, r"no options \['landmarks'\]"),
+    ],
+    "mita_routed": [({"topk": 1.5}, "topk must be an int >= 1")],
+    "mita_shared": [({"num_landmarks": (2, 2)}, "num_landmarks must be an int >= 1")],
+    "topk": [({"topk": 0}, "topk must be an int >= 1"), ({"chunk_size": 0}, "chunk_size must be an int >= 1")],
+    "moba": [({"block_size": 0}, "block_size must be an int >= 1"), ({"topk": -2}, "topk must be an int >= 1")],
+    "linear": [({"causal": "yes"}, "causal must be True or False"), ({"key_padding_mask": None}, "no options")],
+    "agent": [
+        ({"num_agents": 0}, "num_agents must be an int >= 1"),
+        ({"grid": (4, 4), "num_agents": 6}, "num_agents=6 with a 2-D grid must be a perfect square"),
+        ({"agent_bias": True, "seq_len": 0}, "seq_len must be an int >= 1"),
+        ({"num_prefix_tokens": 1.0}, "num_prefix_tokens must be an int >= 0"),
+    ],
+    "nystrom": [
+        ({"num_landmarks": 0}, "num_landmarks must be an int >= 1"),
+        ({"pinv_iterations": 0}, "pinv_iterations must be an int >= 1"),
+    ],
+}
+#: timm's arguments, checked by every layer
+BAD_LAYER_ARGS = [
+    ({"attn_drop": 1.0}, r"attn_drop must be a float in \[0, 1\)"),
+    ({"proj_drop": -0.1}, r"proj_drop must be a float in \[0, 1\)"),
+    ({"dim_out": 0}, "dim_out must be an int >= 1"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "match"), [(name, o, m) for name in IMPLEMENTED for o, m in BAD_OPTIONS[name]]
+)
+def test_layers_check_their_options_at_construction(name, options, match):
+    """No forward needed: every bad option is refused by the constructor, naming it."""
+    assert set(BAD_OPTIONS) == set(IMPLEMENTED)
+    with pytest.raises((ValueError, TypeError), match=match):
+        registry.build_layer({"name": name, **options}, dim=64, num_heads=4)
+
+
+@pytest.mark.parametrize("name", IMPLEMENTED)
+@pytest.mark.parametrize(("args", "match"), BAD_LAYER_ARGS, ids=["attn_drop", "proj_drop", "dim_out"])
+def test_layers_check_timm_arguments_at_construction(name, args, match):
+    with pytest.raises(ValueError, match=match):
+        registry.build_layer(name, dim=64, num_heads=4, **args)
+
+
+@pytest.mark.parametrize("name", IMPLEMENTED)
+def test_unknown_options_list_the_accepted_ones(name):
+    with pytest.raises(ValueError, match=rf"attention '{name}' takes no options \['bogus'\]; its options: ") as err:
+        registry.build_layer(f"{name}:bogus=1", 64, 4)
+    assert str(err.value).endswith(str(registry.layer_options(registry.get(name))))
+    with pytest.raises(ValueError, match=r"takes no keyword arguments \['bogus'\]; it takes the method's options"):
+        registry.build_layer(name, 64, 4, bogus=1)
+
+
+def test_patch_grid_is_per_thread_and_not_copied():
+    import copy
+    import threading
+
+    from mita.layers.base import PatchGrid
+
+    grid = PatchGrid()
+    grid.current = (16, 9)
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(grid.current))
+    thread.start()
+    thread.join()
+    assert seen == [None] and grid.current == (16, 9)
+    assert copy.deepcopy(grid).current is None

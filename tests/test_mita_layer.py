@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -125,3 +126,29 @@ def test_layer_trains() -> None:
         losses.append(loss.item())
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in layer.parameters())
     assert losses[-1] < losses[0]
+
+
+def test_options_are_checked_at_construction_and_when_set() -> None:
+    with pytest.raises(ValueError, match="num_landmarks must be an int >= 1, got 0"):
+        MiTAAttention(dim=64, num_heads=4, num_landmarks=0)
+    with pytest.raises(ValueError, match="num_landmarks=6 with a 2-D grid must be a perfect square"):
+        MiTAAttention(64, 4, num_landmarks=6, compat="official")  # the authors' landmarks are 2-D
+    layer = MiTAAttention(64, 4, grid="auto", num_prefix_tokens=1)
+    layer.num_landmarks = layer.topk = 49
+    assert (layer.num_landmarks, layer.topk) == (49, 49)
+    layer.num_landmarks, layer.topk = np.int64(16), torch.tensor(8)
+    assert type(layer.num_landmarks) is int and type(layer.topk) is int
+    for attr, value, match in [
+        ("num_landmarks", 0, "num_landmarks must be an int >= 1"),
+        ("num_landmarks", 50, "num_landmarks=50 with a 2-D grid must be a perfect square"),
+        ("num_landmarks", (2, 2, 2), r"num_landmarks with a 2-D grid must be a perfect square int or \(mh, mw\)"),
+        ("topk", 0, "topk must be an int >= 1"),
+        ("topk", True, "topk must be an int >= 1"),
+        ("num_routed", 2.0, "num_routed must be an int >= 1"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            setattr(layer, attr, value)
+    assert (layer.num_landmarks, layer.topk, layer.num_routed) == (16, 8, 1)  # a refused value changes nothing
+    layer.num_routed = 17  # s <= m is checked per call, so m and s can be changed in either order
+    with pytest.raises(ValueError, match=r"num_routed must be an int in \[1, 16\], got 17"):
+        layer(torch.randn(1, 65, 64))

@@ -72,3 +72,20 @@ def test_flops_closed_forms():
     assert registry.flops("topk:topk=1024", 1024, 64) == registry.flops("sdpa", 1024, 64)
     assert registry.flops("linear", 1024, 64) == 4 * 1024 * 64 * 64 + 4 * 1024 * 64
     assert registry.flops("moba:block_size=64,topk=16", 1024, 64) == 2 * 1024 * 16 * 64 + 4 * 1024 * 1024 * 64
+
+
+def test_layer_options_are_what_the_layers_take():
+    """The options a layer binds: its constructor's, or its op's but for the tensors, masks and dropout."""
+    options = {name: registry.layer_options(registry.get(name)) for name in IMPLEMENTED}
+    assert options["sdpa"] == ["scale"]
+    assert options["moba"] == ["block_size", "causal", "chunk_size", "scale", "topk"]
+    assert options["nystrom"] == ["num_landmarks", "pinv_iterations", "scale"]
+    mita = ["branches", "compat", "grid", "impl", "num_landmarks", "num_prefix_tokens", "num_routed", "topk"]
+    assert options["mita"] == options["mita_routed"] == mita
+    assert options["agent"] == ["agent_bias", "dwc", "grid", "num_agents", "num_prefix_tokens", "seq_len"]
+
+
+def test_build_layer_takes_options_once():
+    assert registry.build_layer("mita", 64, 4, topk=8).topk == 8  # over the method's default (64)
+    with pytest.raises(ValueError, match=r"options \['topk'\] are given both in the config and as keyword"):
+        registry.build_layer("mita:topk=4", 64, 4, topk=8)

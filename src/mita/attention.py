@@ -11,6 +11,7 @@ dict ``{"name": "mita", "num_landmarks": 64, "topk": 64}``.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 
 from . import registrations as _registrations  # noqa: F401  (fills the registry)
 from .layers.base import AttentionLayer
-from .layers.op import OpAttention
+from .layers.op import LAYER_ARGS, OpAttention, op_options
 from .registry import REGISTRY, Method, Taxonomy, register
 from .utils.options import parse_config
 
@@ -31,6 +32,7 @@ __all__ = [
     "build_op",
     "flops",
     "get",
+    "layer_options",
     "methods",
     "names",
     "parse",
@@ -86,12 +88,50 @@ def build_op(config: Config) -> Callable[..., torch.Tensor]:
     return functools.partial(method.op, **options)
 
 
+def layer_options(method: Method, layer: type[AttentionLayer] | None = None) -> list[str]:
+    """The options a layer of ``method`` takes besides timm's ``Attention`` arguments, sorted.
+
+    Those of its own layer class (``layer``, else ``method.layer``: every keyword its
+    constructors add to :class:`AttentionLayer`'s), or for an :class:`OpAttention` the op's.
+    """
+    layer = layer or method.layer
+    if layer is None:
+        return op_options(method.op)
+    names = set()
+    for cls in layer.__mro__[: layer.__mro__.index(AttentionLayer)]:
+        if "__init__" in vars(cls):
+            params = inspect.signature(cls.__init__).parameters.values()
+            names |= {p.name for p in params if p.kind is p.KEYWORD_ONLY}
+    return sorted(names)
+
+
 def build_layer(config: Config, dim: int, num_heads: int = 8, **layer_kwargs: Any) -> AttentionLayer:
-    """A timm-compatible attention layer of the configured method."""
-    method, options = resolve(config)
+    """A timm-compatible attention layer of the configured method.
+
+    ``layer_kwargs`` are timm's ``Attention`` arguments (``qkv_bias``, ``attn_drop``, ...) and
+    options of the method not in ``config``; an option the layer does not take is a ValueError
+    that lists the ones it takes.
+    """
+    name, given = parse(config)
+    method = get(name)
+    accepted = layer_options(method)
+    unknown = sorted(set(given) - set(accepted))
+    if unknown:
+        raise ValueError(f"attention {name!r} takes no options {unknown}; its options: {accepted}")
+    unknown = sorted(set(layer_kwargs) - set(accepted) - LAYER_ARGS)
+    if unknown:
+        timm_args = sorted(LAYER_ARGS - {"dim", "num_heads"})
+        raise ValueError(
+            f"build_layer({name!r}) takes no keyword arguments {unknown}; it takes the method's options "
+            f"{accepted} and timm's Attention arguments {timm_args}"
+        )
+    twice = sorted(set(given) & set(layer_kwargs))
+    if twice:
+        raise ValueError(f"options {twice} are given both in the config and as keyword arguments; give them once")
+    options = {**method.defaults, **given, **layer_kwargs}
     if method.layer is not None:
-        return method.layer(dim, num_heads, **layer_kwargs, **options)
-    return OpAttention(dim, num_heads, **layer_kwargs, op=method.op, name=method.name, **options)
+        return method.layer(dim, num_heads, **options)
+    return OpAttention(dim, num_heads, op=method.op, name=method.name, **options)
 
 
 def flops(config: Config, n: int, d: int) -> float | None:

@@ -16,8 +16,12 @@ and for the others (BERT, ...):
 - ``mita_grid``: "auto" / "auto" / None (1-D pooling); or [gh, gw] or [gt, gh, gw]
 - ``mita_num_prefix_tokens``: 1 for ViViT's CLS token, else 0 / 1 (CLS) / 0
 
-"auto" is the square patch grid for images (other token counts are an error) and, for video,
-the config's (num_frames / tubelet, rows, columns) grid of patch tokens after the prefix; a video
+"auto" is, for images, the patch grid of the image being run (models built with
+``attn_implementation="mita"`` hook their patch embeddings to record it, so an image resized
+under ``interpolate_pos_encoding=True`` is pooled on its own rows and columns), else the
+config's (``image_size / patch_size``) grid when the tokens after the prefix are that many
+(other token counts are an error); for video, the config's (num_frames / tubelet, rows,
+columns) grid of patch tokens after the prefix; a video
 model's token sets of other lengths (V-JEPA 2's predictor, pooler query and shorter clips,
 X-CLIP's per-frame and frame tokens, VideoMAE's visible tokens in pre-training) are no such
 grid and are pooled in 1-D, with m the product of the landmark grid.
@@ -41,6 +45,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, sdpa_mask
 
+from ..layers.base import PatchGrid
 from ..ops.mita import mita_attention
 
 NAME = "mita"
@@ -96,8 +101,12 @@ def _grid_option(grid: Any) -> tuple[int, ...] | str | None:
     return tuple(int(g) for g in grid)
 
 
-def mita_options(config: Any, num_tokens: int) -> dict[str, Any]:
-    """The MiTA arguments for a sequence of ``num_tokens`` tokens of a model with this config."""
+def mita_options(config: Any, num_tokens: int, patch_grid: tuple[int, int] | None = None) -> dict[str, Any]:
+    """The MiTA arguments for a sequence of ``num_tokens`` tokens of a model with this config.
+
+    ``patch_grid`` is the (rows, columns) of patches of the image being run, where known; it
+    is the 2-D grid whenever the tokens after the prefix are that grid.
+    """
     layout = video_grid(config)
     if layout is not None:
         return _video_options(config, num_tokens, layout)
@@ -110,17 +119,30 @@ def mita_options(config: Any, num_tokens: int) -> dict[str, Any]:
         "num_prefix_tokens": getattr(config, "mita_num_prefix_tokens", 1 if vision else 0),
     }
     grid = _grid_option(getattr(config, "mita_grid", "auto" if vision else None))
-    if grid == "auto":
-        pooled = num_tokens - options["num_prefix_tokens"]
+    pooled = num_tokens - options["num_prefix_tokens"]
+    pools_2d = grid == "auto" or (grid is not None and len(grid) == 2)
+    if pools_2d and patch_grid is not None and math.prod(patch_grid) == pooled:
+        grid = tuple(patch_grid)
+    elif grid == "auto":
         side = math.isqrt(max(pooled, 0))
-        if side * side != pooled:
+        grid = _config_grid(config) if vision else (side, side)
+        if math.prod(grid) != pooled or pooled < 1:
+            layout = f"the config's image size, {grid}" if vision else "a square"
+            seen = "was not recorded" if patch_grid is None else f"is {tuple(patch_grid)}"
             raise ValueError(
-                f"config.mita_grid='auto' needs a square patch grid, but {num_tokens} tokens minus "
-                f"{options['num_prefix_tokens']} prefix tokens is {pooled}; set config.mita_grid = [gh, gw] or None"
+                f"config.mita_grid='auto' needs the tokens after the prefix to be a patch grid: the image's own "
+                f"(which {seen}) or that of {layout}; got N - num_prefix_tokens = {num_tokens} - "
+                f"{options['num_prefix_tokens']} = {pooled}. Set config.mita_grid = [gh, gw] or None (1-D pooling), "
+                "or config.mita_num_prefix_tokens"
             )
-        grid = (side, side)
     options["grid"] = grid
     return options
+
+
+def _config_grid(config: Any) -> tuple[int, int]:
+    """The patch grid of the config's image size."""
+    (ih, iw), (ph, pw) = _pair(config.image_size), _pair(config.patch_size)
+    return ih // ph, iw // pw
 
 
 def _video_options(config: Any, num_tokens: int, layout: tuple[int, int, int]) -> dict[str, Any]:
@@ -232,17 +254,67 @@ def mita_attention_forward(
     query_mask = torch.ones(B, Nq, dtype=torch.bool, device=query.device) if cross else None
     if not cross and mask is not None and Nq == key.shape[2]:
         query_mask = mask
+    patch_grid = getattr(module, "mita_patch_grid", None)
     out = mita_attention(
         query,
         key,
         value,
-        **mita_options(config, Nq),
+        **mita_options(config, Nq, None if patch_grid is None else patch_grid.current),
         key_padding_mask=mask,
         query_padding_mask=query_mask,
         scale=scaling,
         dropout_p=dropout,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+class _RecordImageGrid:
+    """A forward pre-hook on a vision model's embeddings: the patch grid (rows, columns) of each image."""
+
+    def __init__(self, patch_grid: PatchGrid) -> None:
+        self.patch_grid = patch_grid
+
+    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        image = args[0] if args else None
+        if isinstance(image, torch.Tensor) and image.dim() == 4:  # pixel values (B, C, H, W)
+            ph, pw = _pair(module.patch_size)
+            self.patch_grid.current = (image.shape[-2] // ph, image.shape[-1] // pw)
+        else:
+            self.patch_grid.current = None
+
+
+def _track_patch_grid(model: torch.nn.Module) -> None:
+    """Let the MiTA attention of ``model`` pool each image on its own patch grid (idempotent).
+
+    Under ``interpolate_pos_encoding=True`` the image size, and so the grid, changes per call:
+    the config's grid would pool a 256x144 image (16x9 patches) as 12x12. A pre-hook on each
+    image embedding (a ``...Embeddings`` module with a ``patch_size``) records the grid of the
+    pixel values it gets, and every module of an image config reads it as ``mita_patch_grid``.
+    """
+    embeddings = [m for m in model.modules() if type(m).__name__.endswith("Embeddings") and hasattr(m, "patch_size")]
+    if not embeddings:
+        return
+    hooks = [h for m in embeddings for h in m._forward_pre_hooks.values() if isinstance(h, _RecordImageGrid)]
+    patch_grid = hooks[0].patch_grid if hooks else PatchGrid()
+    for m in embeddings:
+        if not any(isinstance(h, _RecordImageGrid) for h in m._forward_pre_hooks.values()):
+            m.register_forward_pre_hook(_RecordImageGrid(patch_grid))
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        if config is not None and is_vision_config(config) and video_grid(config) is None:
+            m.mita_patch_grid = patch_grid
+
+
+def _track_after_post_init(post_init):
+    """Wrap ``PreTrainedModel.post_init``: a model built with ``attn_implementation="mita"`` tracks its patch grid."""
+
+    def post_init_and_track(self) -> None:
+        post_init(self)
+        if getattr(self.config, "_attn_implementation", None) == NAME:
+            _track_patch_grid(self)
+
+    post_init_and_track.mita_tracks = True
+    return post_init_and_track
 
 
 def _refuse_models_without_the_interface(get_correct_attn_implementation):
@@ -262,6 +334,8 @@ def _refuse_models_without_the_interface(get_correct_attn_implementation):
                 f"so attn_implementation='mita' would be ignored; MiTA runs in models that use the interface "
                 "(ViT, BERT, VideoMAE, ViViT, V-JEPA 2, ...), or convert this model's attention layers by hand"
             )
+        if requested_attention == NAME and not is_init_check:  # set_attn_implementation on a built model
+            _track_patch_grid(self)
         return get_correct_attn_implementation(self, requested_attention, is_init_check)
 
     checked.mita_checked = True
@@ -275,6 +349,8 @@ def register() -> None:
     original = PreTrainedModel.get_correct_attn_implementation
     if not getattr(original, "mita_checked", False):
         PreTrainedModel.get_correct_attn_implementation = _refuse_models_without_the_interface(original)
+    if not getattr(PreTrainedModel.post_init, "mita_tracks", False):
+        PreTrainedModel.post_init = _track_after_post_init(PreTrainedModel.post_init)
 
 
 register()

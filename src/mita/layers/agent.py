@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 
 from ..ops.agent import agent_attention
-from .base import AttentionLayer, conv_values, depthwise_conv, resolve_grid
+from ..ops.checks import check_int
+from .base import AttentionLayer, PatchGrid, check_bins, check_grid_option, conv_values, depthwise_conv, resolve_grid
 
 
 def _bias(*shape: int, dd: dict) -> nn.Parameter:
@@ -83,36 +84,43 @@ class AgentAttention(AttentionLayer):
     ) -> None:
         super().__init__(dim, num_heads, *args, **kwargs)
         dd = {"device": kwargs.get("device"), "dtype": kwargs.get("dtype")}
-        if not (grid is None or grid == "auto" or (isinstance(grid, (tuple, list)) and len(grid) in (2, 3))):
-            raise ValueError(f"grid must be None, 'auto', (gh, gw) or (gt, gh, gw), got {grid!r}")
-        if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
-            raise ValueError(f"num_prefix_tokens must be an int >= 0, got {num_prefix_tokens!r}")
-        self.num_agents, self.grid, self.num_prefix_tokens = num_agents, grid, num_prefix_tokens
+        self.grid = check_grid_option(grid)
+        self.num_agents = check_bins("num_agents", num_agents, self.grid)
+        self.num_prefix_tokens = check_int("num_prefix_tokens", num_prefix_tokens, 0)
+        if seq_len is not None:
+            seq_len = check_int("seq_len", seq_len, self.num_prefix_tokens + 1)
+        self.patch_grid: PatchGrid | None = None  # the running forward's patch grid (models of varying image size)
         self.agent_bias = None
         if agent_bias:
-            n = num_agents if isinstance(num_agents, int) else math.prod(num_agents)
-            if isinstance(grid, (tuple, list)) and len(grid) == 3:
+            n = math.prod(self.num_agents) if isinstance(self.num_agents, tuple) else self.num_agents
+            if isinstance(self.grid, tuple) and len(self.grid) == 3:
                 raise ValueError("agent_bias is defined on 1-D and 2-D layouts; a 3-D grid takes agent_bias=False")
-            if isinstance(grid, (tuple, list)):
-                self.agent_bias = AgentBias(num_heads, n, tuple(grid), 0, num_prefix_tokens, dd)
-            elif grid is None and isinstance(seq_len, int) and seq_len > num_prefix_tokens:
-                self.agent_bias = AgentBias(num_heads, n, None, seq_len - num_prefix_tokens, num_prefix_tokens, dd)
+            if isinstance(self.grid, tuple):
+                self.agent_bias = AgentBias(num_heads, n, self.grid, 0, self.num_prefix_tokens, dd)
+            elif self.grid is None and seq_len is not None:
+                length = seq_len - self.num_prefix_tokens
+                self.agent_bias = AgentBias(num_heads, n, None, length, self.num_prefix_tokens, dd)
             else:
                 raise ValueError(
                     "agent_bias needs a fixed token layout: grid=(gh, gw), or grid=None with seq_len=N "
                     f"(> num_prefix_tokens); got grid={grid!r}, seq_len={seq_len!r}"
                 )
-        self.dwc = depthwise_conv(self.attn_dim, grid, dd) if dwc else None
+        self.dwc = depthwise_conv(self.attn_dim, self.grid, dd) if dwc else None
 
     def extra_repr(self) -> str:
         return f"num_agents={self.num_agents}, grid={self.grid}, num_prefix_tokens={self.num_prefix_tokens}"
 
     def resolve_grid(self, n: int) -> tuple[int, ...] | None:
-        """The grid for a sequence of n tokens ("auto": a square of n - num_prefix_tokens)."""
-        return resolve_grid(self.grid, n, self.num_prefix_tokens)
+        """The grid for a sequence of n tokens: the running forward's patch grid, or ``grid`` ("auto": a square)."""
+        return resolve_grid(self.grid, n, self.num_prefix_tokens, self.patch_grid)
 
     def attend(self, q, k, v, key_padding_mask, is_causal):
         grid = self.resolve_grid(q.shape[2])
+        if self.agent_bias is not None and self.agent_bias.grid is not None and grid != self.agent_bias.grid:
+            raise ValueError(
+                f"the agent bias was built for the grid {self.agent_bias.grid}, this input's grid is {grid}; "
+                "run the layer on images of the size it was built for"
+            )
         aggregate, broadcast = self.agent_bias(q.shape[2]) if self.agent_bias is not None else (None, None)
         out = agent_attention(
             q,

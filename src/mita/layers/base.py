@@ -8,12 +8,14 @@ Constructor arguments, parameter names (``qkv``, ``q_norm``, ``k_norm``, ``norm`
 from __future__ import annotations
 
 import math
-from typing import Literal
+import threading
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
 
-from ..ops.checks import check_int
+from ..ops.checks import check_dropout, check_int
+from ..ops.pooling import check_pooling
 
 GridOption = tuple[int, ...] | Literal["auto"] | None
 
@@ -29,17 +31,76 @@ def padding_mask(attn_mask: torch.Tensor | None, B: int, N: int) -> torch.Tensor
 
 
 def check_grid_option(grid: object) -> GridOption:
-    """A layer's ``grid``: None (1-D), "auto" (a square of the pooled tokens), (gh, gw) or (gt, gh, gw)."""
-    if grid is None or grid == "auto" or (isinstance(grid, (tuple, list)) and len(grid) in (2, 3)):
-        return grid if grid is None or grid == "auto" else tuple(grid)
-    raise ValueError(f"grid must be None, 'auto', (gh, gw) or (gt, gh, gw), got {grid!r}")
+    """A layer's ``grid``: None (1-D), "auto" (a square of the pooled tokens), (gh, gw) or (gt, gh, gw) of ints >= 1."""
+    if grid is None or (isinstance(grid, str) and grid == "auto"):
+        return grid
+    if isinstance(grid, (tuple, list)) and len(grid) in (2, 3):
+        try:
+            return tuple(check_int("grid", g) for g in grid)
+        except ValueError:
+            pass
+    raise ValueError(f"grid must be None, 'auto', (gh, gw) or (gt, gh, gw) of ints >= 1, got {grid!r}")
 
 
-def resolve_grid(grid: GridOption, n: int, num_prefix_tokens: int) -> tuple[int, ...] | None:
-    """The grid of a sequence of n tokens: ``grid`` itself, or for "auto" a square of n - num_prefix_tokens.
+def check_bins(name: str, value: object, grid: GridOption) -> int | tuple[int, ...]:
+    """``num_landmarks`` / ``num_agents`` for a layer's grid, checked as its op checks them per call:
+    an int >= 1 in 1-D; (mh, mw) or a perfect square on a 2-D grid ("auto" included); (mt, mh, mw)
+    or a perfect cube on a 3-D one. Returns ints (a tuple stays a tuple)."""
+    dims = None if grid is None else 2 if grid == "auto" else len(grid)
+    shape = check_pooling(value, None if dims is None else (1,) * dims, 0, 1, name=name).shape
+    return shape if isinstance(value, (tuple, list)) else math.prod(shape)
 
-    "auto" is for images; video layouts pass their (gt, gh, gw) grid explicitly.
+
+def check_rate(name: str, value: object) -> float:
+    """A dropout rate in [0, 1), checked as the ops check ``dropout_p``, with ``name`` in the message."""
+    try:
+        return check_dropout(value)
+    except (TypeError, ValueError) as err:
+        raise type(err)(str(err).replace("dropout_p", name, 1)) from None
+
+
+class PatchGrid:
+    """The patch grid (gh, gw) of the image a model is running on, recorded per forward and per thread.
+
+    A model whose image size changes from call to call (timm's ``dynamic_img_size``, Hugging
+    Face's ``interpolate_pos_encoding``) records it from a hook on its patch embedding, and its
+    layers pool each input on that grid instead of the one of the size the model was built for.
+    Thread-local, so concurrent forwards of one model (or its ``DataParallel`` replicas) do not mix.
     """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    @property
+    def current(self) -> tuple[int, ...] | None:
+        """The grid of the running forward in this thread (None before the first)."""
+        return getattr(self._local, "grid", None)
+
+    @current.setter
+    def current(self, grid: tuple[int, ...] | None) -> None:
+        self._local.grid = None if grid is None else tuple(int(g) for g in grid)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}  # a copy (deepcopy, pickle) starts with no grid recorded
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()
+
+
+def resolve_grid(
+    grid: GridOption, n: int, num_prefix_tokens: int, patch_grid: PatchGrid | None = None
+) -> tuple[int, ...] | None:
+    """The grid of a sequence of n tokens.
+
+    A layer that pools on a 2-D grid takes the patch grid of the running forward when
+    ``patch_grid`` has one and the n - num_prefix_tokens tokens are that grid; otherwise
+    ``grid`` itself, or for "auto" a square of n - num_prefix_tokens. "auto" is for images;
+    video layouts pass their (gt, gh, gw) grid explicitly.
+    """
+    pools_2d = grid == "auto" or (grid is not None and len(grid) == 2)
+    live = patch_grid.current if patch_grid is not None and pools_2d else None
+    if live is not None and math.prod(live) == n - num_prefix_tokens:
+        return live
     if grid != "auto":
         return None if grid is None else tuple(grid)
     side = math.isqrt(max(n - num_prefix_tokens, 0))
@@ -120,6 +181,9 @@ class AttentionLayer(nn.Module):
         dim, num_heads = check_int("dim", dim), check_int("num_heads", num_heads)
         if attn_head_dim is not None:
             attn_head_dim = check_int("attn_head_dim", attn_head_dim)
+        if dim_out is not None:
+            dim_out = check_int("dim_out", dim_out)
+        attn_drop, proj_drop = check_rate("attn_drop", attn_drop), check_rate("proj_drop", proj_drop)
         if attn_head_dim is None and dim % num_heads:
             raise ValueError(f"dim={dim} must be divisible by num_heads={num_heads} (or pass attn_head_dim)")
         if (qk_norm or scale_norm) and norm_layer is None:

@@ -10,15 +10,25 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ops.checks import check_int
 from ..ops.mita import IMPLEMENTATIONS, MiTARouting, mita_attention, official_landmarks
-from .base import AttentionLayer, GridOption, check_grid_option, conv_values, depthwise_conv, resolve_grid
+from .base import (
+    AttentionLayer,
+    GridOption,
+    PatchGrid,
+    check_bins,
+    check_grid_option,
+    conv_values,
+    depthwise_conv,
+    resolve_grid,
+)
 
 
 class MiTAAttention(AttentionLayer):
     """Multi-head self-attention with MiTA; a drop-in for ``timm.models.vision_transformer.Attention``.
 
-    ``num_landmarks``, ``topk``, ``num_routed`` are plain attributes: change them on a
-    trained module to run it with other values. With ``record_routing = True`` the last
+    ``num_landmarks``, ``topk``, ``num_routed`` are attributes, checked when set: change them
+    on a trained module to run it with other values. With ``record_routing = True`` the last
     call's landmarks, experts and routes are kept in ``.routing`` for analysis.
 
     Args:
@@ -59,16 +69,43 @@ class MiTAAttention(AttentionLayer):
             raise ValueError(f"impl must be one of {['auto', *IMPLEMENTATIONS]}, got {impl!r}")
         if branches not in ("both", "shared", "routed"):
             raise ValueError(f"branches must be 'both', 'shared' or 'routed', got {branches!r}")
+        self.grid, self.compat, self.impl = check_grid_option(grid), compat, impl
+        self.num_prefix_tokens = check_int("num_prefix_tokens", num_prefix_tokens, 0)
         self.num_landmarks, self.topk, self.num_routed = num_landmarks, topk, num_routed
-        self.grid, self.num_prefix_tokens, self.compat, self.impl = (
-            check_grid_option(grid),
-            num_prefix_tokens,
-            compat,
-            impl,
-        )
+        m = math.prod(self.num_landmarks) if isinstance(self.num_landmarks, tuple) else self.num_landmarks
+        if self.num_routed > m:
+            raise ValueError(f"num_routed must be an int in [1, num_landmarks={m}], got {num_routed!r}")
         self.branches = branches  # "both", or an ablation: "shared" / "routed"
         self.record_routing = False  # set True to keep the last call's MiTARouting in .routing
         self.routing: MiTARouting | None = None
+        self.patch_grid: PatchGrid | None = None  # the running forward's patch grid (models of varying image size)
+
+    @property
+    def num_landmarks(self) -> int | tuple[int, ...]:
+        """m: an int, or (mh, mw) / (mt, mh, mw) with a grid; checked for the layer's grid when set."""
+        return self._num_landmarks
+
+    @num_landmarks.setter
+    def num_landmarks(self, value: int | tuple[int, ...]) -> None:
+        self._num_landmarks = check_bins("num_landmarks", value, "auto" if self.compat == "official" else self.grid)
+
+    @property
+    def topk(self) -> int:
+        """k, the keys of each expert (an int >= 1, clamped to the real keys per call)."""
+        return self._topk
+
+    @topk.setter
+    def topk(self, value: int) -> None:
+        self._topk = check_int("topk", value)
+
+    @property
+    def num_routed(self) -> int:
+        """s, the experts each query is routed to (an int >= 1; at most m, checked per call)."""
+        return self._num_routed
+
+    @num_routed.setter
+    def num_routed(self, value: int) -> None:
+        self._num_routed = check_int("num_routed", value)
 
     def extra_repr(self) -> str:
         return (
@@ -77,8 +114,8 @@ class MiTAAttention(AttentionLayer):
         )
 
     def resolve_grid(self, n: int) -> tuple[int, ...] | None:
-        """The grid for a sequence of n tokens ("auto": a square of n - num_prefix_tokens)."""
-        return resolve_grid(self.grid, n, self.num_prefix_tokens)
+        """The grid for a sequence of n tokens: the running forward's patch grid, or ``grid`` ("auto": a square)."""
+        return resolve_grid(self.grid, n, self.num_prefix_tokens, self.patch_grid)
 
     def attend(self, q, k, v, key_padding_mask, is_causal):
         kwargs = dict(

@@ -6,14 +6,13 @@ model unchanged; :func:`revert` puts timm's own ``Attention`` back. Needs timm.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch.nn as nn
 from timm.layers import Attention
 
 from .. import attention as registry
-from ..layers.base import AttentionLayer
+from ..layers.base import AttentionLayer, PatchGrid
 from ..layers.mita import MiTAVisionAttention
 
 #: modules moved unchanged from the old attention layer to the new one (timm's ``Attention`` names)
@@ -33,17 +32,16 @@ def _timm_kwargs(layer: nn.Module) -> dict[str, Any]:
     }
 
 
-def _vision_defaults(model: nn.Module, method: registry.Method) -> dict[str, Any]:
+def _vision_defaults(model: nn.Module, options: list[str], name: str) -> dict[str, Any]:
     """``num_prefix_tokens`` and ``grid`` from a timm ViT (or a video model whose ``patch_embed.grid_size``
-    is (gt, gh, gw)), for methods whose op takes them."""
-    accepts = inspect.signature(method.op).parameters
+    is (gt, gh, gw)), for layers that take them (``options``: the layer's options)."""
     found: dict[str, Any] = {}
-    if "num_prefix_tokens" in accepts:
+    if "num_prefix_tokens" in options:
         found["num_prefix_tokens"] = int(getattr(model, "num_prefix_tokens", 0))
     grid_size = getattr(getattr(model, "patch_embed", None), "grid_size", None)
-    if "grid" in accepts and grid_size is not None:
+    if "grid" in options and grid_size is not None:
         square = len(grid_size) == 2 and grid_size[0] == grid_size[1]
-        found["grid"] = "auto" if square and method.name == "mita" else tuple(int(g) for g in grid_size)
+        found["grid"] = "auto" if square and name == "mita" else tuple(int(g) for g in grid_size)
     return found
 
 
@@ -55,20 +53,52 @@ def _new_layer(old: nn.Module, attention: registry.Config | str, options: dict[s
         return Attention(dim, heads, **kwargs)
     name, config_options = registry.parse(attention)
     method = registry.get(name)
-    layer = MiTAVisionAttention if name == "mita" else method.layer
-    valid = set(inspect.signature(method.op).parameters) - {"q", "k", "v"}
-    for cls in () if layer is None else layer.__mro__:
-        if "__init__" in vars(cls) and cls is not AttentionLayer:
-            valid |= set(inspect.signature(cls.__init__).parameters)
-    valid -= {"self", "dim", "num_heads", "args", "kwargs", *kwargs}
-    bad = sorted(set(config_options) - valid) + sorted(set(options) - valid)
+    valid = registry.layer_options(method, MiTAVisionAttention if name == "mita" else None)
+    bad = sorted(set(config_options) - set(valid)) + sorted(set(options) - set(valid))
     if bad:
-        raise ValueError(f"convert(): attention {name!r} takes no options {bad}; its options: {sorted(valid)}")
-    options = {**_vision_defaults(model, method), **config_options, **options}
+        raise ValueError(f"convert(): attention {name!r} takes no options {bad}; its options: {valid}")
+    options = {**_vision_defaults(model, valid, name), **config_options, **options}
     if name == "mita":
         options = {**method.defaults, "num_landmarks": 25, "topk": 25, **options}
         return MiTAVisionAttention(dim, heads, **kwargs, **options)
     return registry.build_layer({"name": name, **options}, dim, heads, **kwargs)
+
+
+class _RecordPatchGrid:
+    """A forward pre-hook on a timm patch embedding: the patch grid of each image, into a :class:`PatchGrid`."""
+
+    def __init__(self, patch_grid: PatchGrid) -> None:
+        self.patch_grid = patch_grid
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        self.patch_grid.current = module.dynamic_feat_size(args[0].shape[-2:])
+
+
+def _track_patch_grid(model: nn.Module, layers: list[nn.Module]) -> None:
+    """Give ``layers`` the patch grid of each forward when the model takes images of any size.
+
+    timm's ``dynamic_img_size`` (a patch embedding with ``strict_img_size=False``) lets the grid
+    change per call; the grid read from the model at conversion would then pool a 256x144
+    image (16x9 patches) as 12x12. A pre-hook on the patch embedding records each image's grid
+    (``dynamic_feat_size``) and the layers pool on it. The hook is removed when no layer needs it.
+    """
+    embed = getattr(model, "patch_embed", None)
+    if not isinstance(embed, nn.Module):
+        return
+    hooks = {key: hook for key, hook in embed._forward_pre_hooks.items() if isinstance(hook, _RecordPatchGrid)}
+    users = [layer for layer in layers if hasattr(layer, "patch_grid")]
+    dynamic = hasattr(embed, "dynamic_feat_size") and getattr(embed, "strict_img_size", True) is False
+    if not (dynamic and users):
+        for key in hooks:
+            del embed._forward_pre_hooks[key]
+        return
+    if hooks:
+        patch_grid = next(iter(hooks.values())).patch_grid
+    else:
+        patch_grid = PatchGrid()
+        embed.register_forward_pre_hook(_RecordPatchGrid(patch_grid))
+    for layer in users:
+        layer.patch_grid = patch_grid
 
 
 def _extra_parameters(layer: nn.Module) -> list[str]:
@@ -82,7 +112,8 @@ def convert(model: nn.Module, attention: registry.Config = "mita", **options: An
     ``"mita:topk=49"``) or ``"timm"`` for timm's own ``Attention`` (the way back). The
     ``qkv``/``proj``/norm modules are moved into the new layers, so parameters keep their
     identity and names and the state dict round-trips exactly. For MiTA, ``num_prefix_tokens``
-    and the patch ``grid`` are read from the model, and m = k = 25 unless given; ``dwc=True``
+    and the patch ``grid`` are read from the model (a model with ``dynamic_img_size`` pools each
+    image on its own patch grid), and m = k = 25 unless given; ``dwc=True``
     and ``out_gate=True`` add the MiTA-DeiT extras (new parameters). Returns ``model`` (or
     the new layer when ``model`` itself is an attention layer).
     """
@@ -114,6 +145,7 @@ def convert(model: nn.Module, attention: registry.Config = "mita", **options: An
             return new
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent), leaf, new)
+    _track_patch_grid(model, [new for _, _, new in swaps])
     return model
 
 
