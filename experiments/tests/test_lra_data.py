@@ -285,6 +285,25 @@ def test_image_loader_errors(tmp_path):
         loaders.load_image(tmp_path)
 
 
+@pytest.mark.parametrize("label", [True, 3.0], ids=["bool", "float"])
+def test_cifar_labels_must_be_ints(tmp_path, label):
+    """Issue 25 item 18: a bool label (an int subclass) was accepted."""
+    _cifar(tmp_path)
+    path = tmp_path / "cifar-10-batches-py" / "data_batch_2"
+    batch = pickle.loads(path.read_bytes())
+    batch[b"labels"][0] = label
+    path.write_bytes(pickle.dumps(batch))
+    with pytest.raises(ValueError, match=r"data_batch_2 is not a CIFAR-10 python batch.*ints 0-9"):
+        loaders.load_image(tmp_path)
+
+
+def test_loader_options_are_checked(tmp_path):
+    with pytest.raises(ValueError, match=r"data\.loader\.size: task 'listops' takes no such option"):
+        loaders.load("listops", tmp_path, size=32)
+    with pytest.raises(ValueError, match=r"data\.loader\.max_length must be a whole number >= 1, got -1"):
+        loaders.load("listops", tmp_path, max_length=-1)
+
+
 def test_listops_draws_use_only_python_random():
     """The generator's stream is Python's seeded Mersenne Twister (portable), not global state."""
     random.seed(123)
@@ -399,8 +418,9 @@ def test_listops_header_with_a_byte_order_mark_and_a_long_line(tmp_path):
     assert data.splits["train"].labels.tolist() == [1] and int(data.splits["train"].lengths[0]) == 8
 
 
-@pytest.mark.parametrize("label", ["7", "-1", "0.9", "yes", ""])
+@pytest.mark.parametrize("label", ["7", "-1", "0.9", "yes", "", "1e0", "true"])
 def test_retrieval_labels_must_be_zero_or_one(tmp_path, label):
+    """Issue 25 item 18: labels are integers 0 or 1 ("1e0" was accepted)."""
     for name in loaders.RETRIEVAL_FILES.values():
         (tmp_path / name).write_text(f"1\tp1\tp2\tabc\tdefg\n{label}\tp3\tp4\txy\tz\n")
     with pytest.raises(ValueError, match=r"train.tsv, line 2: label must be 0 or 1"):

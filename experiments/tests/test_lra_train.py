@@ -1,11 +1,9 @@
-"""LRA training: schedules, exact resume (also after a kill), accumulation, DDP, eval with swapped attention, CLI."""
+"""LRA on the trainer: exact resume (also after a kill), accumulation, DDP, eval with swapped attention, CLI."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -15,10 +13,12 @@ import time
 import pytest
 import torch
 
+from mita_experiments import trainer
 from mita_experiments.cli import main as cli_main
 from mita_experiments.lra import train as T
 from mita_experiments.lra.config import load_config
 from mita_experiments.lra.data import listops, loaders
+from mita_experiments.utils.distributed import Dist
 
 SPEC = listops.ListOpsSpec(num_train=48, num_val=8, num_test=8, min_length=8, max_length=40, max_depth=4, seed=5)
 MITA = "mita:num_landmarks=4,topk=4"
@@ -48,7 +48,7 @@ def tiny_config(**train):
 
 
 def weights(run_dir):
-    return torch.load(run_dir / T.CHECKPOINT, map_location="cpu", weights_only=True)["model"]
+    return torch.load(run_dir / trainer.CHECKPOINT, map_location="cpu", weights_only=True)["model"]
 
 
 def assert_same(a, b, exact=True):
@@ -60,37 +60,6 @@ def assert_same(a, b, exact=True):
             torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
-@pytest.mark.parametrize(
-    "step, schedule, expected",
-    [
-        (0, "linear", 0.25),
-        (3, "linear", 1.0),
-        (7, "linear", 0.5),
-        (11, "linear", 0.0),
-        (7, "cosine", 0.5),
-        (1, "rsqrt", 0.5 / 2),
-        (15, "rsqrt", 0.25),
-        (9, "constant", 1.0),
-    ],
-    ids=["warmup", "peak", "linear-mid", "linear-end", "cosine-mid", "rsqrt-warmup", "rsqrt-decay", "constant"],
-)
-def test_lr_factor(step, schedule, expected):
-    assert math.isclose(T.lr_factor(step, schedule, warmup=4, total=12), expected)
-
-
-def test_lr_factor_rejects_unknown_schedule():
-    with pytest.raises(ValueError, match=re.escape("train.schedule")):
-        T.lr_factor(5, "step", 1, 10)
-
-
-def test_batches_cover_each_epoch_once():
-    seen = torch.cat([T.batch_indices(20, 5, 0, s) for s in range(4)])
-    assert sorted(seen.tolist()) == list(range(20))
-    assert not torch.equal(T.batch_indices(20, 5, 0, 0), T.batch_indices(20, 5, 0, 4))  # new epoch, new order
-    with pytest.raises(ValueError, match="batch_size"):
-        T.batch_indices(4, 8, 0, 0)
-
-
 @pytest.mark.parametrize("attention", ["sdpa", MITA], ids=["sdpa", "mita"])
 def test_stopped_and_resumed_run_is_bit_identical(tmp_path, data, attention):
     config = tiny_config()
@@ -100,8 +69,8 @@ def test_stopped_and_resumed_run_is_bit_identical(tmp_path, data, attention):
     assert not part["finished"] and part["step"] == 3
     T.train(config, data, tmp_path / "part", attention, resume=True, progress=False, tensorboard=False)
     assert_same(weights(tmp_path / "full"), weights(tmp_path / "part"))
-    rows = (tmp_path / "part" / T.METRICS).read_text().splitlines()
-    assert rows == (tmp_path / "full" / T.METRICS).read_text().splitlines()[: len(rows)] or len(rows) > 1
+    rows = (tmp_path / "part" / trainer.METRICS).read_text().splitlines()
+    assert rows == (tmp_path / "full" / trainer.METRICS).read_text().splitlines()[: len(rows)] or len(rows) > 1
     steps = [int(r.split(",")[0]) for r in rows[1:] if ",train," in r]
     assert steps == [2, 4, 6]  # no duplicated rows after the resume
 
@@ -136,11 +105,11 @@ def test_killed_run_resumes_exactly(tmp_path, data_dir, data):
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 120
-    while not (run / T.CHECKPOINT).exists() and proc.poll() is None and time.time() < deadline:
+    while not (run / trainer.CHECKPOINT).exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert (run / T.CHECKPOINT).exists(), proc.stderr.read().decode()
+    assert (run / trainer.CHECKPOINT).exists(), proc.stderr.read().decode()
     subprocess.run([*cmd, "--resume"], check=True, capture_output=True)
     T.train(config, data, tmp_path / "full", MITA, progress=False, tensorboard=False)
     assert_same(weights(tmp_path / "full"), weights(run))
@@ -161,7 +130,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_ddp_two_processes_match_one(tmp_path, data_dir, data):
+def test_ddp_two_processes_match_one(tmp_path, data_dir, data, capsys):
     config = tiny_config(steps=3)
     config["model"].update(dropout=0.0, attn_dropout=0.0)
     cfg_file = tmp_path / "config.json"
@@ -202,7 +171,12 @@ def test_ddp_two_processes_match_one(tmp_path, data_dir, data):
     assert done.returncode == 0, done.stderr[-3000:]
     T.train(config, data, tmp_path / "single", MITA, progress=False, tensorboard=False)
     assert_same(weights(tmp_path / "single"), weights(tmp_path / "ddp"), exact=False)
-    assert torch.load(tmp_path / "ddp" / T.CHECKPOINT, weights_only=True)["world_size"] == 2
+    assert torch.load(tmp_path / "ddp" / trainer.CHECKPOINT, weights_only=True)["world_size"] == 2
+    # issue 25 item 12: the 2-process run is not resumed by one process, and the refusal says how
+    resume = ["lra", "train", "--task", "listops", "--config", str(cfg_file), "--data", str(data_dir)]
+    resume += ["--out", str(tmp_path / "ddp"), "--resume", "--set", "train.steps=5", "--device", "cpu"]
+    assert cli_main([*resume, "--no-progress", "--no-tensorboard"]) == 2
+    assert "--nproc_per_node 2" in capsys.readouterr().err
 
 
 def test_run_dir_is_never_overwritten(tmp_path, data):
@@ -212,7 +186,7 @@ def test_run_dir_is_never_overwritten(tmp_path, data):
         T.train(config, data, tmp_path / "run", progress=False, tensorboard=False)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="not empty"):
+    with pytest.raises(FileExistsError, match="not a run's"):
         T.train(config, data, tmp_path / "other", progress=False, tensorboard=False)
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
 
@@ -223,13 +197,13 @@ def test_run_killed_before_its_first_checkpoint_leaves_a_reusable_folder(tmp_pat
     config = tiny_config(steps=2)
     run = tmp_path / "run"
     run.mkdir()
-    (run / T.MANIFEST).write_text(json.dumps({"config": config, "attention": "sdpa"}))
-    (run / T.METRICS).write_text("step,epoch\n")
+    (run / trainer.MANIFEST).write_text(json.dumps({"config": config, "attention": "sdpa"}))
+    (run / trainer.METRICS).write_text("step,epoch\n")
     (run / "tb").mkdir()
     assert T.train(config, data, run, progress=False, tensorboard=False)["finished"]
-    (run / T.CHECKPOINT).unlink()
-    (run / T.BEST).unlink()
-    (run / T.WEIGHTS).unlink()
+    (run / trainer.CHECKPOINT).unlink()
+    (run / trainer.BEST).unlink()
+    (run / trainer.WEIGHTS).unlink()
     (run / "summary.json").unlink()
     assert T.train(config, data, run, resume=True, progress=False, tensorboard=False)["step"] == 2
     assert "starts from step 0" in capsys.readouterr().err
@@ -250,11 +224,11 @@ def test_run_killed_before_its_first_checkpoint_leaves_a_reusable_folder(tmp_pat
 )
 def test_train_config_errors(tmp_path, data, update, match):
     with pytest.raises(ValueError, match=match):
-        T.train(tiny_config(**update), data, tmp_path / "bad", progress=False, tensorboard=False, ctx=T.Dist())
+        T.train(tiny_config(**update), data, tmp_path / "bad", progress=False, tensorboard=False, ctx=Dist())
 
 
 def test_stop_at_accuracy_ends_the_run_as_finished_and_stays_stopped(tmp_path, data, monkeypatch):
-    monkeypatch.setattr(T, "evaluate", lambda *a, **k: {"loss": 0.0, "accuracy": 1.0, "samples_per_s": 1.0})
+    monkeypatch.setattr(trainer.loop, "evaluate", lambda *a, **k: {"loss": 0.0, "accuracy": 1.0, "samples_per_s": 1.0})
     config = tiny_config(stop_at_accuracy=0.99)
     summary = T.train(config, data, tmp_path / "run", progress=False, tensorboard=False)
     assert summary["finished"] and summary["step"] == summary["solved_at"] == 3  # the first validation
@@ -279,7 +253,7 @@ def test_eval_swaps_attention_and_options(tmp_path, data):
     # MiTA with every key in one expert and one landmark per token is exact softmax attention.
     n = data.max_length
     exact = T.evaluate_checkpoint(tmp_path / "run", data, attention=f"mita:num_landmarks=1,topk={n}")
-    assert exact["missing_keys"] == [] and exact["unexpected_keys"] == []
+    assert 0.0 <= exact["accuracy"] <= 1.0
     assert exact["trained_with"] == "sdpa" and exact["attention"].startswith("mita")
     big = T.evaluate_checkpoint(tmp_path / "run", data, attention=MITA, options={"topk": 8, "num_landmarks": 8})
     assert big["options"] == {"topk": 8, "num_landmarks": 8}
@@ -318,53 +292,35 @@ def test_cli_train_eval_and_refusals(tmp_path, data_dir, capsys):
     assert "unknown key 'nope'" in capsys.readouterr().err
 
 
-def test_cli_generate_and_speed(tmp_path, capsys):
+def test_cli_generate(tmp_path, capsys):
     gen = "data.generate={'num_train': 6, 'num_val': 2, 'num_test': 2, 'min_length': 5, 'max_length': 20, 'seed': 1}"
     args = ["lra", "generate", "--task", "listops", "--out", str(tmp_path / "lo"), "--set", gen]
     assert cli_main(args) == 0
     assert len((tmp_path / "lo" / "basic_train.tsv").read_text().splitlines()) == 7
-    assert cli_main(args) == 2 and "overwrite" in capsys.readouterr().err
+    assert cli_main(args) == 2 and "--force" in capsys.readouterr().err
     pf = "data.generate={'size': 32, 'contour_length': 6, 'num_distractors': 0, 'num_samples': 4, 'seed': 2}"
     grid = tmp_path / "grid.png"
-    assert (
-        cli_main(
-            ["lra", "generate", "--task", "pathfinder", "--out", str(tmp_path / "pf"), "--set", pf, "--grid", str(grid)]
-        )
-        == 0
-    )
+    argv = ["lra", "generate", "--task", "pathfinder", "--out", str(tmp_path / "pf"), "--set", pf, "--grid", str(grid)]
+    assert cli_main(argv) == 0
     assert grid.exists() and len(list((tmp_path / "pf").rglob("*.png"))) == 4
     assert cli_main(["lra", "generate", "--task", "text", "--out", str(tmp_path / "t")]) == 2
     assert "no generator" in capsys.readouterr().err
-    out = tmp_path / "speed.csv"
-    small = ["--set", "model.dim=16", "--set", "model.mlp_dim=16", "--set", "model.head_dim=8"]
-    assert (
-        cli_main(
-            [
-                "lra",
-                "speed",
-                "--task",
-                "listops",
-                *small,
-                "--attention",
-                "sdpa",
-                MITA,
-                "--lengths",
-                "16",
-                "32",
-                "--batch-size",
-                "2",
-                "--steps",
-                "1",
-                "--mode",
-                "eval",
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
-    rows = out.read_text().splitlines()
-    assert rows[0].startswith("attention,length,mode") and len(rows) == 5
+
+
+def test_speed_times_the_task_model_and_lra_has_no_speed_command(capsys):
+    config = load_config("listops", "cpu", ["model.dim=16", "model.mlp_dim=16", "model.head_dim=8"])
+    rows = list(T.speed("listops", config, MITA, [16, 32], batch_size=2, steps=1, mode="eval"))
+    assert [r["length"] for r in rows] == [16, 32] and all(r["seconds_per_step"] > 0 for r in rows)
+    assert set(rows[0]) == {"attention", "length", "mode", "batch_size", "seconds_per_step", "samples_per_s"}
+    [row] = T.speed("retrieval", config, "sdpa", [8], batch_size=2, steps=1, warmup=0, mode="train")
+    assert row["mode"] == "train" and row["samples_per_s"] > 0
+    with pytest.raises(ValueError, match="mode"):
+        list(T.speed("listops", config, "sdpa", [8], 2, mode="fast"))
+    with pytest.raises(ValueError, match="lengths"):
+        list(T.speed("listops", config, "sdpa", [0], 2))
+    with pytest.raises(SystemExit):
+        cli_main(["lra", "speed", "--task", "listops", "--lengths", "8"])
+    assert "invalid choice: 'speed'" in capsys.readouterr().err
 
 
 def test_resume_applies_steps_and_cadence_and_refuses_model_attention_changes(tmp_path, data_dir, capsys):

@@ -1,4 +1,4 @@
-"""Associative recall: generator properties, the task on the LRA trainer, the CLI and sweep resume."""
+"""Associative recall: generator properties, the task on the trainer, the CLI and sweep resume."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def test_spec_errors(kwargs, match):
 def test_save_load_roundtrip(tmp_path):
     spec = gen.RecallSpec(24, 3, 16)
     gen.save(tmp_path, spec, {"train": 20, "val": 4, "test": 5}, seed=2)
-    with pytest.raises(FileExistsError, match="overwrite"):
+    with pytest.raises(FileExistsError, match="--force"):
         gen.save(tmp_path, spec, {"train": 20}, seed=2)
     spec2, splits = gen.load(tmp_path)
     assert spec2 == spec
@@ -140,11 +140,9 @@ TINY += ["train.eval_every=1000", "train.checkpoint_every=1000", "train.log_ever
 
 
 def test_sdpa_learns_above_chance(tmp_path):
-    from mita_experiments.lra.train import train
-
     cfg = task.config(overrides=TINY)
     d = task.task_data(cfg["data"])
-    summary = train(cfg, d, tmp_path / "run", attention="sdpa", progress=False, tensorboard=False)
+    summary = task.train(cfg, d, tmp_path / "run", attention="sdpa", progress=False, tensorboard=False)
     assert summary["finished"] and summary["test_accuracy_last"] > 0.6  # chance 0.25, bag of values 0.5
 
 
@@ -153,7 +151,7 @@ SHORT += ["train.log_every=2", "train.eval_batch_size=64"]
 
 
 def test_sweep_resumes_mid_run_and_skips_finished(tmp_path, monkeypatch):
-    from mita_experiments.lra import train as T
+    from mita_experiments import trainer
     from mita_experiments.recall import sweep
 
     cells = sweep.grid(["sdpa", "linear"], [12], pairs=[2], seeds=[0])
@@ -162,12 +160,12 @@ def test_sweep_resumes_mid_run_and_skips_finished(tmp_path, monkeypatch):
     # a sweep killed mid-run: its first cell has a checkpoint at step 2 and no row
     out = tmp_path / "sweep"
     cfg = task.config(overrides=[*SHORT, "train.seed=0", "data.seed=0"])
-    T.train(cfg, task.task_data(cfg["data"]), out / "runs" / cells[0].name, "sdpa", stop_after=2, progress=False)
+    task.train(cfg, task.task_data(cfg["data"]), out / "runs" / cells[0].name, "sdpa", stop_after=2, progress=False)
     rows = list(sweep.sweep(cells, out, SHORT))
     assert [r["attention"] for r in rows] == ["sdpa", "linear"]
     assert rows[0]["test_accuracy"] == ref[0]["test_accuracy"] and rows[0]["steps"] == rows[0]["max_steps"] == 6
-    a = torch.load(out / "runs" / cells[0].name / T.CHECKPOINT, weights_only=False)["model"]
-    b = torch.load(tmp_path / "ref" / "runs" / cells[0].name / T.CHECKPOINT, weights_only=False)["model"]
+    a = torch.load(out / "runs" / cells[0].name / trainer.CHECKPOINT, weights_only=True)["model"]
+    b = torch.load(tmp_path / "ref" / "runs" / cells[0].name / trainer.CHECKPOINT, weights_only=True)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
     # re-running the finished grid trains nothing and keeps one row per run
     monkeypatch.setattr(sweep, "run_cell", lambda *a, **k: pytest.fail("a finished cell was run again"))
@@ -177,10 +175,10 @@ def test_sweep_resumes_mid_run_and_skips_finished(tmp_path, monkeypatch):
 
 
 def test_sweep_records_the_step_a_solved_run_stopped_at(tmp_path, monkeypatch):
-    from mita_experiments.lra import train as T
+    from mita_experiments import trainer
     from mita_experiments.recall import sweep
 
-    monkeypatch.setattr(T, "evaluate", lambda *a, **k: {"loss": 0.0, "accuracy": 1.0, "samples_per_s": 1.0})
+    monkeypatch.setattr(trainer.loop, "evaluate", lambda *a, **k: {"loss": 0.0, "accuracy": 1.0, "samples_per_s": 1.0})
     cells = sweep.grid(["sdpa"], [12], pairs=[2])
     [row] = sweep.sweep(cells, tmp_path, [*SHORT, "train.stop_at_accuracy=0.99"])
     assert row["steps"] == 3 and row["max_steps"] == 6 and row["status"] == "solved"

@@ -1,4 +1,4 @@
-"""mita.utils: options, output guards, atomic saves, checkpoints (issue 12 items 1, 11, 13, 14, 17; issue 13)."""
+"""mita_experiments.utils and mita.utils: options, output guards, atomic saves, checkpoints, flags, devices."""
 
 from __future__ import annotations
 
@@ -78,10 +78,10 @@ def test_output_guard(tmp_path):
     "args",
     [
         ["vision", "flops", "--out", "{file}/sub"],
-        ["lra", "speed", "--task", "listops", "--lengths", "8", "--out", "{file}/x.csv"],
+        ["lra", "eval", "--task", "listops", "--data", "d", "--checkpoint", "c", "--out", "{file}/x.json"],
         ["bench", "--quick", "--out", "{file}"],
     ],
-    ids=["vision-flops", "lra-speed", "bench"],
+    ids=["vision-flops", "lra-eval", "bench"],
 )
 def test_out_under_a_file_fails_before_any_work(tmp_path, capsys, args):
     (tmp_path / "f").write_text("x")
@@ -101,18 +101,21 @@ def test_options_nested_typed_and_duplicates():
         options.apply_assignments(config, {"data.nope": 1})
 
 
-def test_deprecated_spellings_warn_and_still_work(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["lra", "eval", "--task", "listops", "--data", "d", "--checkpoint", "c", "--overwrite"],
+        ["lra", "train", "--task", "listops", "--data", "d", "--out", "o", "--run-dir", "r"],
+        ["recall", "generate", "--out", "o", "--overwrite"],
+    ],
+    ids=["lra-overwrite", "lra-run-dir", "recall-overwrite"],
+)
+def test_old_flag_spellings_are_gone(argv, capsys):
     from mita_experiments.cli import build_parser
 
-    args = build_parser().parse_args(
-        ["lra", "eval", "--task", "listops", "--data", "d", "--checkpoint", "c", "--overwrite", "--out", "x.json"]
-    )
-    assert args.force and args.out == "x.json"
-    assert "--overwrite is deprecated" in capsys.readouterr().err
-    args = build_parser().parse_args(["vision", "train", "--data", "d", "--output", "o"])
-    assert args.out == "o" and "--output is deprecated" in capsys.readouterr().err
-    args = build_parser().parse_args(["lra", "train", "--task", "listops", "--data", "d", "--run-dir", "r"])
-    assert args.out == "r" and "--run-dir is deprecated" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    assert "unrecognized arguments" in capsys.readouterr().err
 
 
 def test_nested_set_reaches_the_generator(tmp_path):
@@ -132,4 +135,4 @@ def test_numbers_below_one_are_refused_at_parse_time(capsys):
         with pytest.raises(ValueError, match=f"train.{key} must be"):
             load_config("listops", "cpu", [f"train.{key}=0"])
     with pytest.raises(SystemExit):
-        main(["lra", "speed", "--task", "listops", "--lengths", "8", "--batch-size", "0"])
+        main(["lra", "eval", "--task", "listops", "--data", "d", "--checkpoint", "c", "--batch-size", "0"])

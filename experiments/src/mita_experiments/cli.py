@@ -5,8 +5,9 @@ Each package with commands has a ``cli`` module exposing ``add_parser(subparsers
 public ``cmd_*`` handlers; the parser it adds sets ``func``, called with the parsed
 arguments. Every command spells its output flag ``--out`` and its overwrite flag
 ``--force`` (:mod:`mita_experiments.utils.flags`). A refused input (bad value, missing or existing
-file) ends the command with one line on stderr and exit status 2; ``MITA_TRACEBACK=1``
-shows the traceback instead.
+file) ends the command with one line on stderr and exit status 2, Ctrl-C with one line and
+exit status 130 (a training run saves a checkpoint first); ``MITA_TRACEBACK=1`` shows the
+traceback instead.
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except KeyboardInterrupt as err:
+        if os.environ.get("MITA_TRACEBACK") == "1":
+            raise
+        text = " ".join(str(err).split())
+        print(f"mita {args.command}: {text or 'interrupted'}", file=sys.stderr)
+        return 130
     except USER_ERRORS as err:
         if os.environ.get("MITA_TRACEBACK") == "1":
             raise

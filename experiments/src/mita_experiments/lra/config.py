@@ -4,8 +4,10 @@
 A variant has the sections "data", "model" and "train"; each variant is the file's
 "common" block updated by the variant's own block. Command-line overrides read
 ``section.key=value`` or, into nested sections, ``data.generate.num_train=2000`` (value
-parsed as a Python literal, else kept as a string; :mod:`mita.utils.options`). The numbers
-of the "train" section are checked when the configuration is made (:func:`check_train`).
+parsed as a Python literal, else kept as a string; :mod:`mita.utils.options`). The "train"
+section is the trainer's (:func:`mita_experiments.trainer.check_train`: its defaults are
+filled in, so ``--set`` reaches every key) and "model" the encoder's (:func:`check_model`);
+both are checked when the configuration is made.
 """
 
 from __future__ import annotations
@@ -19,13 +21,16 @@ from typing import Any
 
 from mita.utils.options import apply_assignments, parse_assignments
 
+from ..trainer import DEFAULTS, check_train
+
 TASKS = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")
 SECTIONS = ("data", "model", "train")
 #: nested sections whose keys are options of a generator or loader, so ``--set`` may add keys there
 OPEN_SECTIONS = ("data.generate", "data.loader")
-#: train keys that must be whole numbers >= 1, and those that may also be None (no limit)
-POSITIVE = ("batch_size", "steps", "accum", "eval_every", "checkpoint_every", "log_every", "eval_batch_size")
-POSITIVE_OR_NONE = ("eval_samples", "train_subset")
+#: the keys of the model section (the encoder's options)
+MODEL_KEYS = ("dim", "depth", "num_heads", "mlp_dim", "head_dim", "pooling", "positions", "dropout", "attn_dropout")
+POOLINGS = ("cls", "mean", "none")
+POSITIONS = ("learned", "sinusoidal", "none")
 
 
 def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
@@ -37,9 +42,15 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 
 def _read(path: Path | Any) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(
+            f"{path} holds a JSON {type(raw).__name__}; a config is an object with the sections "
+            f"{list(SECTIONS)} (or 'common' and 'variants')"
+        )
+    return raw
 
 
 def variants(task: str) -> list[str]:
@@ -79,7 +90,7 @@ def load_config(
     else:
         raw = _task_file(task)
     if "variants" in raw:
-        if variant not in raw["variants"]:
+        if not isinstance(raw["variants"], dict) or variant not in raw["variants"]:
             raise ValueError(f"variant must be one of {list(raw['variants'])} for {task!r}, got {variant!r}")
         config = _merge(raw.get("common", {}), raw["variants"][variant])
     else:
@@ -100,28 +111,43 @@ def apply_overrides(config: dict[str, Any], overrides: Sequence[str] | Mapping[s
     for key in assignments:
         if key.split(".")[0] not in SECTIONS:
             raise ValueError(f"--set {key}: keys read section.key=value with section in {list(SECTIONS)}")
+    config = {**config, "train": {**DEFAULTS, **config["train"]}}
     config = apply_assignments(config, assignments, "--set", OPEN_SECTIONS)
-    check_train(config["train"])
+    config["train"] = check_train(config["train"])
+    check_model(config["model"])
     return config
 
 
-def check_train(train: Mapping[str, Any]) -> None:
-    """A ValueError for a number of the train section that would give garbage (batch sizes,
-    steps, accumulation, cadences <= 0, a negative warm-up, a non-positive learning rate)."""
+def check_model(model: Mapping[str, Any]) -> None:
+    """A ValueError for a key of the model section the encoder does not take, or a value it
+    cannot build: dim, depth, num_heads, mlp_dim whole numbers >= 1; head_dim >= 1 or null
+    (dim / num_heads, which must then divide); dropout and attn_dropout in [0, 1); pooling one
+    of :data:`POOLINGS`; positions one of :data:`POSITIONS`."""
+    unknown = sorted(set(model) - set(MODEL_KEYS))
+    if unknown:
+        raise ValueError(f"model: unknown key(s) {unknown}; valid: {list(MODEL_KEYS)}")
 
     def bad(key: str, what: str) -> ValueError:
-        return ValueError(f"train.{key} must be {what}, got {train[key]!r} (set it with --set train.{key}=...)")
+        return ValueError(f"model.{key} must be {what}, got {model[key]!r} (set it with --set model.{key}=...)")
 
     def whole(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
-    for key in POSITIVE:
-        if key in train and not (whole(train[key]) and train[key] >= 1):
+    for key in ("dim", "depth", "num_heads", "mlp_dim"):
+        if key in model and not whole(model[key]):
             raise bad(key, "a whole number >= 1")
-    for key in POSITIVE_OR_NONE:
-        if train.get(key) is not None and not (whole(train[key]) and train[key] >= 1):
-            raise bad(key, "a whole number >= 1, or null for all")
-    if "warmup" in train and not (whole(train["warmup"]) and train["warmup"] >= 0):
-        raise bad("warmup", "a whole number >= 0")
-    if "lr" in train and not (isinstance(train["lr"], (int, float)) and 0 < train["lr"] < float("inf")):
-        raise bad("lr", "a positive number")
+    if model.get("head_dim") is not None and not whole(model["head_dim"]):
+        raise bad("head_dim", "a whole number >= 1, or null for dim / num_heads")
+    for key in ("dropout", "attn_dropout"):
+        value = model.get(key, 0.0)
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1):
+            raise bad(key, "a probability in [0, 1)")
+    if model.get("pooling", "mean") not in POOLINGS:
+        raise bad("pooling", f"one of {list(POOLINGS)}")
+    if model.get("positions", "learned") not in POSITIONS:
+        raise bad("positions", f"one of {list(POSITIONS)}")
+    dim, heads = model.get("dim", 64), model.get("num_heads", 2)
+    if model.get("head_dim") is None and dim % heads:
+        raise ValueError(
+            f"model.dim={dim} is not divisible by model.num_heads={heads}; change one or set model.head_dim"
+        )

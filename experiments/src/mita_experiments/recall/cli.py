@@ -8,7 +8,9 @@
 
 The configuration (``mita/recall/configs/recall.json``: data, model, train) is changed with
 ``--set section.key=value``; without ``--data`` the data is generated from ``data.seed``.
-``torchrun --nproc_per_node N -m mita.cli recall train ...`` trains with DDP.
+``--resume`` continues a run with its own configuration and attention (``--set`` may change
+train.steps and the cadences); ``torchrun --nproc_per_node N -m mita_experiments recall train ...``
+trains with DDP.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from mita.utils.options import parse_assignments
 
-from ..lra.cli import add_training_arguments
+from ..trainer import cli as trainer_cli
 from ..utils.files import atomic_write_text, check_output_file
 from ..utils.flags import add_force, add_out
 
@@ -47,27 +49,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from ..lra.cli import train_with
+    from .. import trainer
+    from ..lra.config import apply_overrides
+    from ..utils.distributed import init_distributed
     from . import task
 
-    cfg = task.config(overrides=args.set, path=args.config)
-    return train_with(args, cfg, lambda: task.task_data(cfg["data"], args.data))
+    if args.resume and args.config is None and (Path(args.out) / trainer.MANIFEST).is_file():
+        cfg = apply_overrides(trainer.read_manifest(args.out)["config"], args.set)  # the run's own
+        task.check_data(cfg["data"])
+    else:
+        cfg = task.config(overrides=args.set, path=args.config)
+    ctx = init_distributed(args.device)
+    data = task.task_data(cfg["data"], args.data)
+    summary = task.train(cfg, data, args.out, args.attention, ctx=ctx, **trainer_cli.options(args))
+    if ctx.main:
+        print(json.dumps(summary, indent=2))
+    return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from ..lra.train import evaluate_checkpoint
     from ..utils.distributed import init_distributed
     from . import sweep, task
 
     out = check_output_file(args.out, force=args.force) if args.out else None
-    run = Path(args.checkpoint)
-    cfg = sweep.load_run_config(run if run.is_dir() else run.parent)
+    options = parse_assignments(args.option, "--option")
     ctx = init_distributed(args.device)
-    result = evaluate_checkpoint(
-        run,
-        task.task_data(cfg["data"], args.data),
+    result = task.evaluate_checkpoint(
+        args.checkpoint,
+        args.data,
         attention=args.attention,
-        options=parse_assignments(args.option, "--option"),
+        options=options,
         split=args.split,
         batch_size=args.batch_size,
         ctx=ctx,
@@ -123,20 +134,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g = rc.add_parser("generate", help="write train/val/test .npz files and meta.json")
     _set(g)
     add_out(g, "output folder", required=True)
-    add_force(g, "replace existing files")
+    add_force(g, "replace the files of an earlier generate in --out")
     g.set_defaults(func=cmd_generate)
 
     t = rc.add_parser("train", help="train a model (resumable; DDP under torchrun)")
     _set(t)
-    add_out(t, "run folder for checkpoints and logs (never overwritten)", required=True)
-    t.add_argument("--attention", default="sdpa", help="registered attention or config, e.g. 'mita:topk=32'")
+    add_out(t, "run folder for checkpoints and logs (replaced only with --force)", required=True)
+    t.add_argument(
+        "--attention", help="registered attention or config, e.g. 'mita:topk=32' (default: sdpa; on --resume the run's)"
+    )
     t.add_argument("--data", help="a folder written by `mita recall generate` (default: generate from the config)")
-    add_training_arguments(t)
-    t.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if available)")
+    trainer_cli.add_arguments(t)
     t.set_defaults(func=cmd_train)
 
     e = rc.add_parser("eval", help="evaluate a run, optionally with another attention or MiTA m, k, s")
-    e.add_argument("--checkpoint", required=True, help="a run folder (its best.pt) or a .pt file in one")
+    e.add_argument("--checkpoint", required=True, help="a run folder (its best.pt), a .pt or a model.safetensors file")
     e.add_argument("--attention", help="evaluate with this attention instead of the trained one (swap)")
     e.add_argument(
         "--option",
@@ -147,7 +159,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     e.add_argument("--data", help="a folder written by `mita recall generate` (default: the run's own data)")
     e.add_argument("--split", default="test", choices=["train", "val", "test"])
-    e.add_argument("--batch-size", type=int)
+    e.add_argument("--batch-size", type=trainer_cli.positive_int)
     e.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     add_out(e, "also write the result as JSON here")
     add_force(e, "replace --out if it exists")

@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import json
 import math
+import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from ..utils.files import atomic_write, atomic_write_text
 
 IGNORE = -100
 #: the token of the positions past a sequence's end in a length mixture (``generate_mix``): not
@@ -161,38 +164,88 @@ def split_seeds(seed: int) -> dict[str, int]:
 
 
 def save(out: str | Path, spec: RecallSpec, sizes: dict[str, int], seed: int = 0, overwrite: bool = False) -> Path:
-    """Write ``<split>.npz`` (tokens, targets) for each split of ``sizes`` and ``meta.json`` under ``out``."""
+    """Write ``<split>.npz`` (tokens, targets) for each split of ``sizes`` and ``meta.json`` under ``out``
+    (each file atomically); existing files are replaced only with ``overwrite``."""
     out = Path(out)
-    paths = [out / f"{name}.npz" for name in sizes] + [out / "meta.json"]
-    existing = [str(p) for p in paths if p.exists()]
-    if existing and not overwrite:
-        raise FileExistsError(f"{', '.join(existing)} exist; pass --overwrite to replace them")
     unknown = set(sizes) - set(SPLITS)
     if unknown:
         raise ValueError(f"split names must be among {list(SPLITS)}, got {sorted(unknown)}")
+    paths = [out / f"{name}.npz" for name in sizes] + [out / "meta.json"]
+    existing = [str(p) for p in paths if p.exists()]
+    if existing and not overwrite:
+        raise FileExistsError(f"{', '.join(existing)} exist; pass --force to replace them")
     out.mkdir(parents=True, exist_ok=True)
     seeds = split_seeds(seed)
     for name, num in sizes.items():
         tokens, targets = generate(spec, num, seeds[name])
-        np.savez(out / f"{name}.npz", tokens=tokens.numpy(), targets=targets.numpy())
+        with atomic_write(out / f"{name}.npz") as f:
+            np.savez(f, tokens=tokens.numpy(), targets=targets.numpy())
     meta = {**asdict(spec), "seed": seed, "sizes": sizes}
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    atomic_write_text(out / "meta.json", json.dumps(meta, indent=2) + "\n")
     return out
 
 
+def _read_split(path: Path, spec: RecallSpec, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens and targets of one ``<split>.npz``, checked against ``spec``; a ValueError names the fault."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            tokens, targets = f["tokens"], f["targets"]
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as err:
+        raise ValueError(f"{path} is not a recall split (an .npz of 'tokens' and 'targets'): {err}") from None
+    n, N = size, spec.seq_len
+    want = (n, N, 2) if spec.form == "onehop" else (n, N)
+    if tokens.shape != want or targets.shape != (n, N):
+        raise ValueError(
+            f"{path}: tokens {tokens.shape} and targets {targets.shape} do not fit meta.json "
+            f"(tokens {want}, targets {(n, N)})"
+        )
+    for name, array in (("tokens", tokens), ("targets", targets)):
+        if array.dtype.kind not in "iu":
+            raise ValueError(f"{path}: {name} must hold integers, got {array.dtype}")
+    V, half = spec.vocab_size, spec.vocab_size // 2
+    if tokens.size and not (tokens.min() >= 0 and tokens.max() < V):
+        raise ValueError(
+            f"{path}: tokens range over {tokens.min()} .. {tokens.max()}, outside the vocabulary 0 .. {V - 1} "
+            "of meta.json's vocab_size"
+        )
+    labelled = targets[targets != IGNORE]
+    if labelled.size and not (labelled.min() >= half and labelled.max() < V):
+        raise ValueError(
+            f"{path}: targets range over {labelled.min()} .. {labelled.max()}; a target is a value "
+            f"{half} .. {V - 1}, or {IGNORE} where there is none"
+        )
+    return torch.from_numpy(tokens.astype(np.int16)), torch.from_numpy(targets.astype(np.int16))
+
+
 def load(root: str | Path) -> tuple[RecallSpec, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """Read what ``save`` wrote: the spec and {split: (tokens, targets)}."""
+    """Read what ``save`` wrote: the spec and {split: (tokens, targets)}, every file checked
+    (split names, sizes, shapes, token and target ranges) and kept inside ``root``."""
     root = Path(root)
     meta_path = root / "meta.json"
     if not meta_path.is_file():
         raise FileNotFoundError(f"{meta_path} not found; expected the output of `mita recall generate`")
-    meta = json.loads(meta_path.read_text())
-    spec = RecallSpec(**{k: meta[k] for k in ("seq_len", "num_pairs", "vocab_size", "form")})
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{meta_path} is not valid JSON: {err}") from None
+    keys = ("seq_len", "num_pairs", "vocab_size", "form")
+    if not (isinstance(meta, dict) and all(k in meta for k in keys) and isinstance(meta.get("sizes"), dict)):
+        raise ValueError(f"{meta_path} must be an object with {[*keys, 'sizes']}, as `mita recall generate` writes")
+    try:
+        spec = RecallSpec(**{k: meta[k] for k in keys})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{meta_path}: {err}") from None
+    inside = root.resolve()
     splits = {}
-    for name in meta["sizes"]:
+    for name, size in meta["sizes"].items():
+        if name not in SPLITS:
+            raise ValueError(f"{meta_path} names the split {name!r}; splits are {list(SPLITS)}")
+        if not (isinstance(size, int) and not isinstance(size, bool) and size >= 0):
+            raise ValueError(f"{meta_path}: the size of split {name!r} must be a whole number >= 0, got {size!r}")
         path = root / f"{name}.npz"
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found; meta.json lists split {name!r}")
-        with np.load(path, allow_pickle=False) as f:
-            splits[name] = (torch.from_numpy(f["tokens"]), torch.from_numpy(f["targets"]))
+        if not path.resolve().is_relative_to(inside):
+            raise ValueError(f"{path} leads outside the data folder {root}; every split must lie in it")
+        splits[name] = _read_split(path, spec, size)
     return spec, splits

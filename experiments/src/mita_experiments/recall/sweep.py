@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import csv
 import fcntl
-import json
 import re
-import shutil
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..lra import train as lra_train
+from .. import trainer
 from ..lra.config import apply_overrides
 from . import task
 
@@ -98,7 +96,7 @@ def _row_key(row: dict[str, str]) -> tuple[str, int, int, int]:
 
 
 def _val_history(run_dir: Path) -> list[float]:
-    with open(run_dir / lra_train.METRICS, newline="") as f:
+    with open(run_dir / trainer.METRICS, newline="") as f:
         return [float(r["accuracy"]) for r in csv.DictReader(f) if r["split"] == "val"]
 
 
@@ -131,13 +129,9 @@ def run_cell(
         cell_values["train.batch_size"] = max(1, min(int(cfg["train"]["batch_size"]), batch_tokens // cell.seq_len))
     cfg = apply_overrides(cfg, cell_values)
     run_dir = out / "runs" / cell.name
-    resume = (run_dir / lra_train.CHECKPOINT).exists()
-    if run_dir.exists() and not resume:
-        shutil.rmtree(run_dir)  # a sweep-made folder killed before its first checkpoint: nothing to keep
+    resume = (run_dir / trainer.CHECKPOINT).exists()  # a folder killed before its first checkpoint is reused
     data = task.task_data(cfg["data"])
-    summary = lra_train.train(
-        cfg, data, run_dir, attention=cell.attention, resume=resume, progress=progress, tensorboard=tensorboard
-    )
+    summary = task.train(cfg, data, run_dir, cell.attention, resume=resume, progress=progress, tensorboard=tensorboard)
     history = _val_history(run_dir)
     prev, last = (history[-2], history[-1]) if len(history) > 1 else (float("nan"), history[-1])
     spec = task.spec_of(cfg["data"])
@@ -273,11 +267,3 @@ def table(rows: list[dict[str, str]]) -> str:
             out.append(f"{acc:.1f}% ({status}, {steps:.0f} steps, {secs:.0f} s)")
         lines.append(f"| `{m}` | " + " | ".join(out) + " |")
     return "\n".join(lines)
-
-
-def load_run_config(run_dir: str | Path) -> dict[str, Any]:
-    """The configuration a run was trained with (its ``config.json``)."""
-    path = Path(run_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found; pass a run folder written by `mita recall train`")
-    return json.loads(path.read_text())["config"]

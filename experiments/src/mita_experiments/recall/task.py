@@ -1,4 +1,6 @@
-"""The recall task on the LRA trainer: data as a ``TaskData`` of per-token labels, and its configuration.
+"""The recall task on the shared trainer (:mod:`mita_experiments.trainer`): data as a ``TaskData``
+of per-token labels, the LRA encoder as a token classifier, its configuration, training and
+evaluation of a checkpoint.
 
 Token ids are shifted by one for the encoder (0 is its padding id, and its embedding is
 zero): filler 0 becomes 1, a one-hop query's empty value channel stays 0 and adds nothing.
@@ -14,29 +16,60 @@ less diluted by filler) carries over to N.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..lra.config import load_config
-from ..lra.data.loaders import Split, TaskData
+from .. import trainer
+from ..lra.config import check_model, load_config
+from ..lra.data.loaders import META, Split, TaskData
+from ..lra.models import Classifier, set_attention_options
+from ..utils.distributed import Dist, init_distributed
 from . import data as gen
 
 DATA_KEYS = ("seq_len", "num_pairs", "vocab_size", "form")
+#: config keys a resumed run may change besides the trainer's
+FREE_KEYS = ("source",)
 
 
 def config(variant: str = "cpu", overrides: list[str] | None = None, path: str | Path | None = None) -> dict[str, Any]:
     """The recall configuration (``configs/recall.json``, or the JSON file ``path``) with
-    ``section.key=value`` overrides."""
+    ``section.key=value`` overrides, checked (:func:`check_data` and the LRA config's checks)."""
     path = path or resources.files("mita_experiments.recall") / "configs" / "recall.json"
-    return load_config("recall", variant, overrides, Path(str(path)))
+    cfg = load_config("recall", variant, overrides, Path(str(path)))
+    check_data(cfg["data"])
+    return cfg
 
 
-def spec_of(data_config: dict[str, Any]) -> gen.RecallSpec:
-    """The ``RecallSpec`` of a configuration's data section."""
-    return gen.RecallSpec(**{k: data_config[k] for k in DATA_KEYS if k in data_config})
+def _whole(value: Any, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def check_data(data_config: Mapping[str, Any]) -> None:
+    """A ValueError for a bad value of the data section: seq_len, num_pairs, vocab_size,
+    num_train, num_val, num_test whole numbers >= 1, seed >= 0, the spec's own rules
+    (:class:`~.data.RecallSpec`) and train_lengths (a list of shorter lengths)."""
+    for key, low in (("seq_len", 1), ("num_pairs", 1), ("vocab_size", 1), ("num_train", 1), ("num_val", 1)):
+        if not _whole(data_config.get(key), low):
+            raise ValueError(f"data.{key} must be a whole number >= {low}, got {data_config.get(key)!r}")
+    for key, low in (("num_test", 1), ("seed", 0)):
+        if not _whole(data_config.get(key), low):
+            raise ValueError(f"data.{key} must be a whole number >= {low}, got {data_config.get(key)!r}")
+    lengths = data_config.get("train_lengths") or []
+    if not (isinstance(lengths, (list, tuple)) and all(_whole(n, 1) for n in lengths)):
+        raise ValueError(f"data.train_lengths must be a list of whole numbers, got {lengths!r}")
+    gen.mix_specs(spec_of(data_config), list(lengths))
+
+
+def spec_of(data_config: Mapping[str, Any]) -> gen.RecallSpec:
+    """The ``RecallSpec`` of a configuration's data section; a ValueError names a bad value."""
+    try:
+        return gen.RecallSpec(**{k: data_config[k] for k in DATA_KEYS if k in data_config})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"data: {err}") from None
 
 
 def _split(
@@ -75,3 +108,123 @@ def task_data(data_config: dict[str, Any], root: str | Path | None = None) -> Ta
         raise ValueError(f"recall data at {root} lacks the split(s) {missing}")
     splits = {name: _split(spec, *raw[name]) for name in gen.SPLITS}
     return TaskData(splits, vocab_size=spec.vocab_size + 1, num_classes=spec.num_classes, max_length=spec.seq_len)
+
+
+def build_model(config: Mapping[str, Any], meta: Mapping[str, Any], attention: Any) -> Classifier:
+    """The LRA encoder of the config's model section (``pooling="none"``: a token classifier) for ``meta``."""
+    return Classifier(
+        num_classes=meta["num_classes"],
+        dual=meta["dual"],
+        vocab_size=meta["vocab_size"],
+        max_length=meta["max_length"],
+        attention=attention,
+        **config["model"],
+    )
+
+
+def scores(model: torch.nn.Module, batch: tuple[list[torch.Tensor], torch.Tensor]) -> trainer.Scores:
+    """Summed cross-entropy and number correct over the query positions of a batch."""
+    inputs, labels = batch
+    return trainer.classification_scores(model(*(t.long() for t in inputs)), labels.long(), gen.IGNORE)
+
+
+def recall_task(config: Mapping[str, Any], data: TaskData, attention: Any) -> trainer.Task:
+    """The trainer's task of recall: the token classifier with ``attention`` on ``data``."""
+    return trainer.Task(
+        build_model=lambda: build_model(config, data.meta, attention),
+        scores=scores,
+        train_data=data.splits["train"],
+        eval_data={"val": data.splits["val"], "test": data.splits["test"]},
+        identity={"attention": attention},
+        fingerprint=data.fingerprint(),
+        free_keys=FREE_KEYS,
+        name=f"recall {attention}",
+    )
+
+
+def _same_attention(a: Any, b: Any) -> bool:
+    from mita.attention import parse
+
+    try:
+        return parse(a) == parse(b)
+    except (TypeError, ValueError):
+        return a == b
+
+
+def train(
+    config: Mapping[str, Any], data: TaskData, run_dir: str | Path, attention: Any = None, **options: Any
+) -> dict[str, Any]:
+    """Train (or resume) a recall run in ``run_dir``; returns its summary.
+
+    Args:
+        config: the recall configuration (:func:`config`).
+        data: its data (:func:`task_data`).
+        run_dir: the run folder (see :mod:`mita_experiments.trainer`).
+        attention: a registered attention or config; default: on resume the run's own, else
+            "sdpa"; another one than the run's is refused on resume.
+        options: the keyword arguments of :func:`mita_experiments.trainer.train`.
+    """
+    run = None
+    if options.get("resume") and (Path(run_dir) / trainer.MANIFEST).is_file():
+        run = trainer.read_manifest(run_dir)["identity"].get("attention")
+    if attention is None:
+        attention = run if run is not None else "sdpa"
+    elif run is not None and _same_attention(attention, run):
+        attention = run
+    return trainer.train(recall_task(config, data, attention), config, run_dir, **options)
+
+
+def evaluate_checkpoint(
+    path: str | Path,
+    data: TaskData | str | Path | None = None,
+    attention: Any = None,
+    options: dict[str, Any] | None = None,
+    split: str = "test",
+    batch_size: int | None = None,
+    ctx: Dist | None = None,
+) -> dict[str, Any]:
+    """Loss, accuracy and throughput of a recall checkpoint on ``split``, optionally with another
+    attention or call-time options (MiTA's num_landmarks, topk, num_routed).
+
+    Args:
+        path: a run folder (its best.pt, else checkpoint.pt), a .pt or a model.safetensors.
+        data: the recall data, or a folder written by ``mita recall generate`` (default: the
+            run's own data, generated from its config); its vocabulary and length must be the run's.
+        attention: evaluate with this attention (default: the trained one).
+        options: call-time attention options (default none).
+        split: "train", "val" or "test" (default "test").
+        batch_size: sequences per forward (default: the run's eval batch size).
+        ctx: this process's place in a DDP run (default: :func:`init_distributed`).
+    """
+    path = trainer.resolve_checkpoint(path)
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    ctx = ctx or init_distributed()
+    state = trainer.read_checkpoint(path)
+    if not isinstance(data, TaskData):
+        data = task_data({**state["config"]["data"], "train_lengths": []} if data else state["config"]["data"], data)
+    if split not in data.splits:
+        raise ValueError(f"split must be one of {list(data.splits)}, got {split!r}")
+    meta = {k: state["data"].get(k) for k in META}
+    if meta != data.meta:
+        raise ValueError(f"checkpoint {path} was trained on data {meta}, not {data.meta}")
+    check_model(state["config"]["model"])
+    trained = state["identity"].get("attention")
+    used = attention if attention is not None else trained
+    model = build_model(state["config"], meta, used).to(ctx.device)
+    trainer.load_model_state(model, state["model"], path)
+    if options:
+        set_attention_options(model, **options)
+    tc = trainer.check_train(state["config"]["train"])
+    precision = "fp32" if tc["precision"] == "fp16" and ctx.device.type != "cuda" else tc["precision"]
+    size = batch_size or tc["eval_batch_size"] or tc["batch_size"]
+    res = trainer.evaluate(model, data.splits[split], scores, size, ctx, precision)
+    return {
+        "checkpoint": str(path),
+        "step": state["step"],
+        "trained_with": trained,
+        "attention": used,
+        "options": options or {},
+        "split": split,
+        **res,
+    }

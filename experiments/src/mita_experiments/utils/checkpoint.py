@@ -8,6 +8,7 @@ is refused instead of run. Weights users exchange are written as safetensors.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import zipfile
@@ -42,10 +43,15 @@ def plain(obj: Any, where: str = "checkpoint") -> Any:
 
 
 def save_checkpoint(state: Mapping[str, Any], path: str | os.PathLike) -> None:
-    """``torch.save`` ``state`` (tensors and plain types only) to ``path`` atomically (fsynced)."""
+    """``torch.save`` ``state`` (tensors and plain types only) to ``path`` atomically (fsynced).
+
+    It is serialised in memory first, so a failed write (a full disk) is an OSError naming
+    the file and saying it was left as it was, not torch's internal error."""
     plain(state)
+    buffer = io.BytesIO()
+    torch.save(dict(state), buffer)
     with atomic_write(path) as f:
-        torch.save(dict(state), f)
+        f.write(buffer.getbuffer())
 
 
 def load_checkpoint(path: str | os.PathLike, what: str = "checkpoint") -> dict[str, Any]:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Dist", "init_distributed"]
+__all__ = ["Dist", "init_distributed", "parse_device"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -40,15 +44,57 @@ class Dist:
         if self.world > 1:
             dist.barrier()
 
+    def on_main(self, fn: Callable[[], T]) -> T:
+        """``fn()`` run on rank 0 only; every rank returns its result, or raises the error it raised
+        (so a refusal on rank 0 stops every rank with the same message instead of a hang)."""
+        outcome: list[Any] = [None]
+        if self.main:
+            try:
+                outcome = [(True, fn())]
+            except Exception as err:
+                if self.world == 1:
+                    raise
+                outcome = [(False, err)]
+        if self.world > 1:
+            dist.broadcast_object_list(outcome, src=0)
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
+
+
+def parse_device(device: str | None) -> torch.device:
+    """``device`` ("cpu", "cuda", "cuda:N", "mps"; default: CUDA if available) as a torch.device;
+    a ValueError names a device that does not exist or is not available here."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}"
+            )
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {device}: MPS is not available on this machine; use --device cpu")
+    elif dev.type not in ("cpu", "mps"):
+        raise ValueError(f"--device {device}: only cpu, cuda and mps devices are supported")
+    return dev
+
 
 def init_distributed(device: str | None = None) -> Dist:
     """Join the ``torchrun`` process group if its environment is set (NCCL on CUDA, gloo on CPU).
 
     Args:
-        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (default: CUDA if available). Under
-            torchrun a CUDA device becomes ``cuda:LOCAL_RANK``.
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (default: CUDA if available); checked by
+            :func:`parse_device`. Under torchrun a CUDA device becomes ``cuda:LOCAL_RANK``.
     """
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = parse_device(device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return Dist(0, 1, dev)

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO
 
-__all__ = ["atomic_write", "atomic_write_text", "check_output_file", "prepare_output_dir"]
+__all__ = [
+    "atomic_write",
+    "atomic_write_text",
+    "check_output_file",
+    "lock_folder",
+    "prepare_output_dir",
+    "remove_stale_temporaries",
+    "stale_temporary",
+]
 
 
 def _writable_parent(path: Path, flag: str) -> None:
@@ -58,9 +68,7 @@ def prepare_output_dir(
             raise ValueError(f"{flag} {path}: the folder is not writable")
         ignored = set(ignore)
         if not (force or reuse) and any(p.name not in ignored for p in path.iterdir()):
-            raise FileExistsError(
-                f"{flag} {path} exists and is not empty; pass --force to overwrite it or pick another"
-            )
+            raise FileExistsError(f"{flag} {path} exists and is not empty; {hint}")
     if create:
         path.mkdir(parents=True, exist_ok=True)
     return path
@@ -91,7 +99,8 @@ def _fsync_dir(folder: Path) -> None:
 def atomic_write(path: str | os.PathLike, mode: str = "wb", **open_kwargs) -> Iterator[IO]:
     """Open a temporary file beside ``path`` for writing; on success it is flushed, fsynced and
     renamed over ``path`` and the folder is fsynced, so a crash leaves the old file or the new
-    one, never half of one. On an error the temporary file is removed."""
+    one, never half of one. On an error the temporary file is removed; a failed write (a full
+    disk, a file-size limit) is an OSError saying that ``path`` was left as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -102,6 +111,11 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", **open_kwargs) -> It
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        kept = "was left as it was" if path.exists() else "was not created"
+        raise OSError(err.errno, f"could not write {path} ({err.strerror or err}); it {kept}") from None
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -113,3 +127,43 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`atomic_write`)."""
     with atomic_write(path, "w", encoding="utf-8", newline="") as f:
         f.write(text)
+
+
+def stale_temporary(name: str, targets: Iterable[str]) -> bool:
+    """Whether ``name`` is a temporary file :func:`atomic_write` makes for one of ``targets``
+    (``.<target>.<random>.tmp``): what a process killed while writing leaves behind."""
+    return any(re.fullmatch(rf"\.{re.escape(t)}\.[A-Za-z0-9_]+\.tmp", name) for t in targets)
+
+
+def remove_stale_temporaries(folder: str | os.PathLike, targets: Iterable[str]) -> list[Path]:
+    """Remove the temporary files of :func:`atomic_write` for ``targets`` in ``folder``; the removed paths.
+
+    Only call it while no process may be writing those files (e.g. holding :func:`lock_folder`).
+    """
+    targets = list(targets)
+    removed = []
+    for path in Path(folder).iterdir():
+        if path.is_file() and not path.is_symlink() and stale_temporary(path.name, targets):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
+@contextlib.contextmanager
+def lock_folder(folder: str | os.PathLike, what: str = "a run") -> Iterator[None]:
+    """Hold an exclusive lock on ``folder`` (the file ``.lock`` in it, kept afterwards) while inside:
+    a second process asking for it gets a BlockingIOError at once. The operating system releases
+    the lock when the process dies, however it dies."""
+    path = Path(folder) / ".lock"
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BlockingIOError(
+                f"another process is writing {what} in {folder} (it holds {path}); "
+                "wait for it to end or choose another folder"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import inspect
 import io
 import pickle
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -24,14 +26,22 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...trainer.data import tensor_digest
 from . import listops
 
 SPLITS = ("train", "val", "test")
+#: what a model needs to know about a task's data
+META = ("vocab_size", "num_classes", "max_length", "dual")
 
 
 @dataclass
 class Split:
-    """One split: ``tokens`` (n, L) int16, 0 = padding; ``lengths`` (n,); ``labels`` (n,)."""
+    """One split: ``tokens`` (n, L) int16, 0 = padding; ``lengths`` (n,); ``labels`` (n,), or
+    (n, L) per-token labels; for Retrieval the second documents ``tokens2`` and ``lengths2``.
+
+    It is a dataset of the trainer (:mod:`mita_experiments.trainer`): ``split.__getitems__(indices)``
+    is the batch of those samples.
+    """
 
     tokens: torch.Tensor
     lengths: torch.Tensor
@@ -41,6 +51,22 @@ class Split:
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    def __getitems__(self, indices: Sequence[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The inputs ([tokens] or [tokens, tokens2], int16, trimmed to the longest real sequence)
+        and the labels of the samples ``indices``."""
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        width = max(1, int(self.lengths[idx].max()))
+        inputs = [self.tokens[idx, :width]]
+        if self.tokens2 is not None:
+            inputs.append(self.tokens2[idx, : max(1, int(self.lengths2[idx].max()))])
+        labels = self.labels[idx]
+        return inputs, labels[:, :width] if labels.dim() == 2 else labels
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The split's size and a SHA-256 of its contents (what a resumed run checks)."""
+        digest = tensor_digest(self.tokens, self.lengths, self.labels, self.tokens2, self.lengths2)
+        return {"size": len(self), "sha256": digest}
 
     def subset(self, count: int) -> Split:
         """The first ``count`` samples (for quick runs)."""
@@ -58,6 +84,15 @@ class TaskData:
     num_classes: int
     max_length: int
     dual: bool = False
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """{vocab_size, num_classes, max_length, dual}: what the model is built for."""
+        return {k: getattr(self, k) for k in META}
+
+    def fingerprint(self) -> dict[str, Any]:
+        """:attr:`meta` and each split's size and content hash."""
+        return {**self.meta, "splits": {name: split.fingerprint() for name, split in self.splits.items()}}
 
 
 def _pack(seqs: Sequence[Sequence[int]], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,15 +168,16 @@ def load_listops(root: str | Path, max_length: int = 2_000) -> TaskData:
             try:
                 if len(row) != 2:
                     raise ValueError(f"expected 2 tab-separated fields, got {len(row)}")
+                if not re.fullmatch(r"[0-9]", row[1].strip()):
+                    raise ValueError(f"target must be a digit 0-9, got {row[1]!r}")
                 label = int(row[1])
-                if not 0 <= label <= 9:
-                    raise ValueError(f"target must be a digit 0-9, got {label}")
                 seqs.append(listops.encode(row[0]))
             except ValueError as err:
                 raise ValueError(f"{path}, line {line}: {err}") from None
             labels.append(label)
+        _not_empty(labels, path, "expressions after the header")
         tokens, lengths = _pack(seqs, max_length)
-        splits[split] = Split(tokens, lengths, torch.tensor(labels))
+        splits[split] = Split(tokens, lengths, torch.tensor(labels, dtype=torch.long))
     return TaskData(splits, vocab_size=len(listops.VOCAB), num_classes=10, max_length=max_length)
 
 
@@ -172,14 +208,11 @@ RETRIEVAL_FILES = {
 
 
 def _binary_label(text: str, path: Path, line: int) -> int:
-    """A label 0 or 1 (written "1" or "1.0"); anything else (7, -1, 0.9) is a ValueError."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = None
-    if value not in (0.0, 1.0):
-        raise ValueError(f"{path}, line {line}: label must be 0 or 1, got {text!r}")
-    return int(value)
+    """A label 0 or 1, written as an integer or with a zero fraction ("1", "1.0", as the LRA
+    release); anything else (7, -1, 0.9, 1e0, true) is a ValueError."""
+    if not re.fullmatch(r"[01](\.0+)?", text.strip()):
+        raise ValueError(f"{path}, line {line}: label must be 0 or 1 (an integer), got {text!r}")
+    return int(text.strip()[0])
 
 
 def load_retrieval(root: str | Path, max_length: int = 4_000) -> TaskData:
@@ -195,6 +228,7 @@ def load_retrieval(root: str | Path, max_length: int = 4_000) -> TaskData:
             labels.append(_binary_label(row[0], path, line))
             first.append(_byte_ids(row[3], max_length))
             second.append(_byte_ids(row[4], max_length))
+        _not_empty(labels, path, "pairs")
         tokens, lengths = _pack(first, max_length)
         tokens2, lengths2 = _pack(second, max_length)
         splits[split] = Split(tokens, lengths, torch.tensor(labels), tokens2, lengths2)
@@ -245,13 +279,15 @@ def _unpickle(path: Path) -> dict:
         data, labels = batch[b"data"], list(batch[b"labels"])
         if not isinstance(data, np.ndarray) or data.dtype != np.uint8:
             raise TypeError(f"b'data' is a {type(data).__name__} of {getattr(data, 'dtype', '?')}, not uint8")
-        if not all(isinstance(y, int) and 0 <= y <= 9 for y in labels):
-            raise ValueError("b'labels' must be ints 0-9")
+        if not all(type(y) is int and 0 <= y <= 9 for y in labels):
+            raise ValueError("b'labels' must be ints 0-9 (not bools or floats)")
     except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
         msg = f"{path} is not a CIFAR-10 python batch (a pickled dict with b'data', b'labels'): {err}"
         raise ValueError(msg) from None
     if data.ndim != 2 or data.shape[1] != 3072 or len(labels) != len(data):
         raise ValueError(f"{path}: b'data' must be (n, 3072) uint8 with n labels, got {data.shape}, {len(labels)}")
+    if not labels:
+        raise ValueError(f"{path} holds no images; a CIFAR-10 batch holds (n, 3072) images, n >= 1")
     return {"data": data, "labels": labels}
 
 
@@ -272,6 +308,10 @@ def load_image(root: str | Path, val_size: int = 0) -> TaskData:
         labels = torch.tensor([y for b in batches for y in b["labels"]])
         parts[part] = Split(torch.from_numpy(grey), torch.full((len(grey),), 1024), labels)
     train, test = parts["train"], parts["test"]
+    if not 0 <= val_size < len(train):
+        raise ValueError(
+            f"data.loader.val_size must be in 0 .. {len(train) - 1} (the training images less one), got {val_size}"
+        )
     if val_size:
         n = len(train) - val_size
         val = Split(train.tokens[n:], train.lengths[n:], train.labels[n:])
@@ -325,6 +365,11 @@ def load_pathfinder(root: str | Path, size: int = 32, difficulty: str = "curv_co
         pixels[i] = arr.reshape(-1).astype(np.int16) + 1
     tokens, labels = torch.from_numpy(pixels), torch.tensor([label for _, label in rows])
     n = len(rows)
+    if n < 10:
+        raise ValueError(
+            f"{meta_dir} lists {n} image(s); the 80/10/10 split needs at least 10 so that validation and test "
+            "hold one each"
+        )
     cuts = [0, int(0.8 * n), int(0.9 * n), n]
     splits = {
         name: Split(tokens[a:b], torch.full((b - a,), size * size), labels[a:b])
@@ -343,10 +388,33 @@ LOADERS: dict[str, Callable[..., TaskData]] = {
 }
 
 
+def _not_empty(labels: Sequence[Any], path: Path, what: str) -> None:
+    if not labels:
+        raise ValueError(f"{path} holds no {what}: every split needs at least one sample")
+
+
+#: the options (``data.loader``) each task's loader takes, and their checks
+_OPTION_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "max_length": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a whole number >= 1"),
+    "size": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a whole number >= 1"),
+    "val_size": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a whole number >= 0"),
+    "difficulty": (lambda v: isinstance(v, str) and re.fullmatch(r"[A-Za-z0-9_]+", v) is not None, "a folder name"),
+}
+
+
 def load(task: str, root: str | Path, **options) -> TaskData:
-    """The data of ``task`` (one of :data:`LOADERS`) from ``root``."""
+    """The data of ``task`` (one of :data:`LOADERS`) from ``root``; ``options`` (the config's
+    ``data.loader``) are checked first, naming a key the task does not take or a bad value."""
     if task not in LOADERS:
         raise ValueError(f"task must be one of {sorted(LOADERS)}, got {task!r}")
+    loader = load_pathfinder if task == "pathx" else LOADERS[task]
+    valid = [p for p in inspect.signature(loader).parameters if p != "root" and not (task == "pathx" and p == "size")]
+    for key, value in options.items():
+        if key not in valid:
+            raise ValueError(f"data.loader.{key}: task {task!r} takes no such option; valid: {valid}")
+        check, what = _OPTION_CHECKS[key]
+        if not check(value):
+            raise ValueError(f"data.loader.{key} must be {what}, got {value!r}")
     if not Path(root).exists():
         raise FileNotFoundError(f"data folder {root} not found for task {task!r}")
     return LOADERS[task](root, **options)
