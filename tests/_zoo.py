@@ -13,6 +13,8 @@ IMPLEMENTED = registry.names()
 
 
 CAUSAL = ["sdpa", "topk", "moba", "linear"]  # the registered ops with a causal form
+#: the registered ops without attention probabilities: dropout_p > 0 is a ValueError
+NO_DROPOUT = ["linear", "nystrom", "flatten", "inline", "pola", "mhla", "ttt_linear"]
 
 
 def qkv(B=2, H=4, Hkv=2, Nq=37, Nk=37, D=8, dtype=F64, device="cpu"):
@@ -53,4 +55,18 @@ def _small(name: str) -> dict:
         "moba": {"block_size": 4, "topk": 2},
         "agent": {"num_agents": 4},
         "nystrom": {"num_landmarks": 4},
+        "mhla": {"num_blocks": 4},
+        "ttt_linear": {"mini_batch_size": 8, "inner_lr": 0.1},
+        "nsa": {"block_size": 4, "topk": 2, "window": 3},
     }.get(name, {})
+
+
+#: the modules a method's layer adds to timm's Attention (its learned parts; mita.convert will not drop them)
+LAYER_EXTRAS = {
+    "flatten": {"feature_scale"},
+    "inline": {"residual"},
+    "pola": {"power", "feature_scale"},
+    "mhla": {"mixing"},
+    "ttt_linear": {"inner"},
+    "nsa": {"gate_proj"},
+}

@@ -127,6 +127,21 @@ BAD_OPTIONS = {
         ({"num_landmarks": 0}, "num_landmarks must be an int >= 1"),
         ({"pinv_iterations": 0}, "pinv_iterations must be an int >= 1"),
     ],
+    "flatten": [
+        ({"focusing_factor": 0.0}, "focusing_factor must be positive"),
+        ({"dwc": True, "kernel_size": 4}, "kernel_size must be an odd int"),
+    ],
+    "inline": [({"grid": (0, 4)}, "grid must be None, 'auto', .* of ints >= 1")],
+    "pola": [({"alpha": -1.0}, "alpha must be positive")],
+    "mhla": [
+        ({"num_blocks": 0}, "num_blocks must be an int >= 1"),
+        ({"grid": "auto", "num_blocks": 5}, "num_blocks=5 with a 2-D grid must be a perfect square"),
+    ],
+    "ttt_linear": [
+        ({"inner_lr": -1.0}, "inner_lr must be a finite float >= 0"),
+        ({"mini_batch_size": 0}, "mini_batch_size must be an int >= 1"),
+    ],
+    "nsa": [({"window": -1}, "window must be an int >= 0"), ({"topk": 0}, "topk must be an int >= 1")],
 }
 #: timm's arguments, checked by every layer
 BAD_LAYER_ARGS = [

@@ -14,7 +14,7 @@ timm = pytest.importorskip("timm")
 from timm.models.vision_transformer import Attention as TimmAttention  # noqa: E402
 
 import mita  # noqa: E402
-from _zoo import IMPLEMENTED, padding  # noqa: E402
+from _zoo import IMPLEMENTED, LAYER_EXTRAS, padding  # noqa: E402
 from mita import attention as registry  # noqa: E402
 from mita.integrations.timm import MODEL_NAMES, MiTAVisionAttention, convert, revert  # noqa: E402
 from mita.ops.mita import mita_attention  # noqa: E402
@@ -211,6 +211,10 @@ def test_convert_to_every_registered_method(name):
     convert(model, name)
     with torch.no_grad():
         assert torch.isfinite(model(torch.randn(1, 3, 32, 32))).all()
+    if name in LAYER_EXTRAS:  # its learned parts have no place in timm's Attention
+        with pytest.raises(ValueError, match="would drop its modules"):
+            revert(model)
+        return
     revert(model)
 
 
@@ -237,6 +241,10 @@ def test_hook_without_timm(monkeypatch):
 def test_timm_state_dict_loads_strictly(name):
     timm_layer = TimmAttention(32, 4, qkv_bias=True)
     layer = registry.build_layer(name, 32, 4, qkv_bias=True)
+    if name in LAYER_EXTRAS:  # strictly but for the layer's own modules
+        result = layer.load_state_dict(timm_layer.state_dict(), strict=False)
+        assert {k.split(".")[0] for k in result.missing_keys} == LAYER_EXTRAS[name] and not result.unexpected_keys
+        return
     layer.load_state_dict(timm_layer.state_dict())
     if name == "sdpa":  # same weights, same attention: same output as timm
         x = torch.randn(2, 10, 32)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _zoo import CAUSAL, F64, IMPLEMENTED, _small, dense, padding, qkv
+from _zoo import CAUSAL, F64, IMPLEMENTED, NO_DROPOUT, _small, dense, padding, qkv
 from mita import attention as registry
 from mita.ops.agent import agent_attention, agent_attention_reference
 from mita.ops.linear import linear_attention, linear_attention_reference
@@ -246,7 +246,7 @@ def test_bfloat16_runs_and_keeps_the_dtype(name):
 def test_dropout(name):
     op = registry.build_op({"name": name, **_small(name)})
     q, k, v = qkv(Nq=16, Nk=16)
-    if name in ("linear", "nystrom"):
+    if name in NO_DROPOUT:
         with pytest.raises(ValueError, match="dropout_p"):
             op(q, k, v, dropout_p=0.1)
         return

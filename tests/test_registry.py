@@ -31,7 +31,6 @@ def test_taxonomy_rows_have_five_filled_dimensions():
     assert {r["method"] for r in rows if r["implemented"] == "no"} >= {
         "ttt",
         "linformer",
-        "nsa",
         "deformable",
         "swin",
         "performer",

@@ -2,7 +2,23 @@
 
 from .agent import AgentAttention
 from .base import AttentionLayer
+from .kernelized import FLattenAttention, InLineAttention, PolaAttention
+from .mhla import MHLAAttention
 from .mita import MiTAAttention, MiTAVisionAttention
+from .nsa import NSAAttention
 from .op import OpAttention
+from .ttt import TTTLinearAttention
 
-__all__ = ["AgentAttention", "AttentionLayer", "MiTAAttention", "MiTAVisionAttention", "OpAttention"]
+__all__ = [
+    "AgentAttention",
+    "AttentionLayer",
+    "FLattenAttention",
+    "InLineAttention",
+    "MHLAAttention",
+    "MiTAAttention",
+    "MiTAVisionAttention",
+    "NSAAttention",
+    "OpAttention",
+    "PolaAttention",
+    "TTTLinearAttention",
+]

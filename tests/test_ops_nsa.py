@@ -1,0 +1,213 @@
+"""Bidirectional native sparse attention (issue 28): efficient path against the reference, padding, the
+branches written out loop by loop (GQA-shared selection included), the closed forms, gradients, errors,
+the layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _pairs import (
+    assert_gradcheck,
+    assert_layer_extras,
+    assert_masked_equals_truncated,
+    assert_paths_agree,
+    padding_cases,
+    paths_agree_cases,
+)
+from _zoo import F64, dense, padding, qkv
+from mita import attention as registry
+from mita.ops.nsa import nsa_attention, nsa_attention_reference
+from test_ops_padding import _check_padding_is_inert
+
+PATHS = [nsa_attention, nsa_attention_reference]
+SMALL = {"block_size": 4, "topk": 2, "window": 3}
+
+
+def small(H: int, Hkv: int, Nq: int, D: int) -> dict:
+    return dict(SMALL)
+
+
+def gated(H: int, Hkv: int, Nq: int, D: int) -> dict:
+    """Odd blocks, one selected, the own position only, learned gates."""
+    return {"block_size": 5, "topk": 1, "window": 0, "gates": torch.rand(2, H, Nq, 3, dtype=F64).requires_grad_()}
+
+
+def fast_chunked(q, k, v, **options):
+    return nsa_attention(q, k, v, chunk_size=3, **options)
+
+
+@pytest.mark.parametrize("options", [small, gated], ids=["small", "gated"])
+@pytest.mark.parametrize(("nq", "nk", "groups", "masked"), paths_agree_cases())
+def test_efficient_matches_reference(nq, nk, groups, masked, options):
+    assert_paths_agree(fast_chunked, nsa_attention_reference, options, nq, nk, groups, masked)
+
+
+@pytest.mark.parametrize(("tensor", "fill", "hkv", "nq", "nk"), padding_cases())
+@pytest.mark.parametrize("op", PATHS, ids=["fast", "ref"])
+def test_padded_slots_take_no_part(op, tensor, fill, hkv, nq, nk):
+    _check_padding_is_inert(op, tensor, fill, hkv, nq, nk, SMALL)
+
+
+@pytest.mark.parametrize("tensor", ["q", "k", "v"])
+@pytest.mark.parametrize("op", PATHS, ids=["fast", "ref"])
+def test_padded_blocks_are_selectable_with_weight_zero(op, tensor):
+    """More blocks selected than hold a real key: empty blocks are picked last and take no part."""
+    _check_padding_is_inert(op, tensor, float("nan"), 2, 33, 33, {"block_size": 2, "topk": 30, "window": 1})
+
+
+@pytest.mark.parametrize("op", PATHS, ids=["fast", "ref"])
+def test_masked_sequence_equals_the_truncated_sequence(op):
+    assert_masked_equals_truncated(op, SMALL)
+
+
+@pytest.mark.parametrize("op", PATHS, ids=["fast", "ref"])
+def test_gradcheck(op):
+    assert_gradcheck(op, gated)
+
+
+def _written_out(q, k, v, real, block_size, topk, window, gates):
+    """NSA query by query: block means, the group's summed compressed probabilities pick its blocks, windows."""
+    B, H, N, D = q.shape
+    Hkv = k.shape[1]
+    G, s = H // Hkv, D**-0.5
+    out = torch.zeros_like(q)
+    blocks = [list(range(a, min(a + block_size, N))) for a in range(0, N, block_size)]
+
+    def attend(qv, keys, b, h):
+        keys = [j for j in keys if real[b, j]]
+        if not keys:
+            return torch.zeros(D, dtype=q.dtype)
+        p = torch.softmax(s * k[b, h // G, keys] @ qv, 0)
+        return p @ v[b, h // G, keys]
+
+    for b in range(B):
+        valid = [blk for blk in blocks if any(real[b, j] for j in blk)]
+        for g in range(Hkv):
+            means = torch.stack([k[b, g, [j for j in blk if real[b, j]]].mean(0) for blk in valid])
+            vmeans = torch.stack([v[b, g, [j for j in blk if real[b, j]]].mean(0) for blk in valid])
+            for i in range(N):
+                heads = range(g * G, (g + 1) * G)
+                probs = {h: torch.softmax(s * means @ q[b, h, i], 0) for h in heads}
+                importance = sum(probs.values())
+                chosen = [valid[c] for c in importance.argsort(descending=True)[:topk].tolist()]
+                for h in heads:
+                    cmp = probs[h] @ vmeans
+                    slc = attend(q[b, h, i], sorted(j for blk in chosen for j in blk), b, h)
+                    win = attend(q[b, h, i], [j for j in range(N) if abs(i - j) <= window], b, h)
+                    out[b, h, i] = gates[b, h, i] @ torch.stack([cmp, slc, win])
+    return out.masked_fill(~real[:, None, :, None], 0)
+
+
+@pytest.mark.parametrize(("block_size", "topk", "window"), [(4, 2, 3), (3, 1, 0), (5, 3, 20)])
+def test_branches_written_out(block_size, topk, window):
+    q, k, v = qkv(B=2, H=4, Hkv=2, Nq=13, Nk=13)
+    real = padding(2, 13, [13, 10])
+    gates = torch.rand(2, 4, 13, 3, dtype=F64)
+    options = {"block_size": block_size, "topk": topk, "window": window, "gates": gates}
+    want = _written_out(q, k, v, real, block_size, topk, window, gates)
+    for op in PATHS:
+        torch.testing.assert_close(op(q, k, v, key_padding_mask=real, **options), want)
+
+
+@pytest.mark.parametrize("branch", range(3), ids=["compressed", "selected", "window"])
+@pytest.mark.parametrize("groups", [(4, 2), (2, 2)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("op", PATHS, ids=["fast", "ref"])
+def test_every_branch_covering_the_sequence_is_softmax_attention(op, groups, branch):
+    """Blocks of one key, every block selected, a window over the whole sequence: each branch is softmax
+    attention; with all gates 1 the output is three times it."""
+    q, k, v = qkv(H=groups[0], Hkv=groups[1], Nq=19, Nk=19)
+    mask = padding(2, 19, [19, 12])
+    gates = torch.zeros(3, dtype=F64)
+    gates[branch] = 1
+    covering = {"block_size": 1, "topk": 19, "window": 18}
+    torch.testing.assert_close(op(q, k, v, key_padding_mask=mask, gates=gates, **covering), dense(q, k, v, mask))
+    torch.testing.assert_close(op(q, k, v, key_padding_mask=mask, **covering), 3 * dense(q, k, v, mask))
+
+
+@pytest.mark.parametrize("block_size", [3, 8, 19, 40])
+def test_selected_and_window_branches_over_everything_for_any_block_size(block_size):
+    q, k, v = qkv(Nq=19, Nk=19)
+    mask = padding(2, 19, [19, 15])
+    out = nsa_attention(
+        q,
+        k,
+        v,
+        key_padding_mask=mask,
+        block_size=block_size,
+        topk=19,
+        window=19,
+        gates=torch.tensor([0.0, 0.5, 0.5], dtype=F64),
+    )
+    torch.testing.assert_close(out, dense(q, k, v, mask))
+
+
+def test_a_window_of_padded_keys_only_reads_nothing():
+    """Cross-attention: a real query whose window holds only padded keys gets nothing from that branch."""
+    q, k, v = qkv(B=1, H=2, Hkv=2, Nq=6, Nk=6)
+    keys = torch.tensor([[True, True, False, False, False, False]])
+    queries = torch.ones(1, 6, dtype=torch.bool)
+    for op in PATHS:
+        out = op(
+            q,
+            k,
+            v,
+            key_padding_mask=keys,
+            query_padding_mask=queries,
+            window=1,
+            gates=torch.tensor([0.0, 0.0, 1.0], dtype=F64),
+        )
+        assert (out[:, :, 3:] == 0).all() and (out[:, :, :3] != 0).any()
+
+
+def test_dropout_drops_branch_probabilities():
+    q, k, v = qkv(Nq=16, Nk=16)
+    assert not torch.allclose(nsa_attention(q, k, v, dropout_p=0.5, **SMALL), nsa_attention(q, k, v, **SMALL))
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"block_size": 0}, ValueError, "block_size must be an int >= 1"),
+        ({"topk": 0}, ValueError, "topk must be an int >= 1"),
+        ({"window": -1}, ValueError, "window must be an int >= 0"),
+        ({"gates": torch.ones(2, 4, 7, 2, dtype=F64)}, ValueError, r"gates of shape \(2, 4, 7, 2\) must broadcast"),
+        ({"gates": [1.0, 1.0, 1.0]}, TypeError, "gates must be a float tensor"),
+        ({"chunk_size": 0}, ValueError, "chunk_size must be an int >= 1"),
+        ({"dropout_p": 1.0}, ValueError, "dropout_p"),
+        ({"scale": -1.0}, ValueError, "scale"),
+    ],
+)
+def test_errors_name_the_argument(options, error, match):
+    q, k, v = qkv(Nq=7, Nk=7)
+    with pytest.raises(error, match=match):
+        nsa_attention(q, k, v, **options)
+
+
+def test_layer_gates_come_from_the_input():
+    layer = registry.build_layer("nsa:block_size=4,topk=2,window=3", 32, 4)
+    x = torch.randn(2, 17, 32)
+    mask = padding(2, 17, [17, 12])
+    out = layer(x, attn_mask=mask)
+    out.square().sum().backward()
+    assert layer.gate_proj.weight.grad.abs().sum() > 0
+    assert (out[1, 12:] == layer.proj.bias).all()
+    with torch.no_grad():  # gates of 1/2 everywhere: the op with gates 1/2
+        layer.gate_proj.weight.zero_()
+        layer.gate_proj.bias.zero_()
+        B, N, C = x.shape
+        q, k, v = layer.qkv(x).reshape(B, N, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        attn = nsa_attention(q, k, v, key_padding_mask=mask, gates=torch.full((3,), 0.5), **SMALL)
+        torch.testing.assert_close(layer(x, attn_mask=mask), layer.proj(attn.transpose(1, 2).reshape(B, N, C)))
+
+
+def test_layer_adds_only_its_gates():
+    assert_layer_extras("nsa", {}, {"gate_proj"})
+
+
+@pytest.mark.parametrize(
+    ("options", "match"), [({"window": -1}, "window"), ({"topk": 0}, "topk"), ({"chunk_size": 0}, "chunk_size")]
+)
+def test_layer_errors(options, match):
+    with pytest.raises(ValueError, match=match):
+        registry.build_layer({"name": "nsa", **options}, 32, 4)
