@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 
 import pytest
@@ -10,7 +11,9 @@ import torch
 pytest.importorskip("timm")
 pytest.importorskip("matplotlib")
 
+from mita_experiments import trainer
 from mita_experiments.cli import main
+from mita_experiments.utils.distributed import Dist
 from mita_experiments.vision import digits, experiments
 from mita_experiments.vision.digits import DigitsSetup
 
@@ -28,6 +31,13 @@ def quiet(_: str) -> None:
     pass
 
 
+def trained(setup: DigitsSetup, run) -> torch.nn.Module:
+    """The digits model of ``setup`` with the final weights of the run folder ``run``."""
+    model = digits.make_vit(setup)
+    model.load_state_dict(trainer.read_checkpoint(run / trainer.WEIGHTS)["model"])
+    return model
+
+
 def test_load_digits_shapes_and_range():
     x_train, _, x_test, y_test = digits.load_digits(seed=0)
     assert x_train.shape == (1437, 1, 32, 32) and x_test.shape == (360, 1, 32, 32)
@@ -39,9 +49,7 @@ def test_swap_report(tmp_path, data):
     configs = ["sdpa", "mita:num_landmarks=4,topk=4", "mita:num_landmarks=64,topk=65"]
     rows = experiments.run_swap(tmp_path, DigitsSetup(**TINY), configs, "cmd", log=quiet, data=data)
     assert [r["attention at test time"] for r in rows] == configs
-    model = digits.make_vit(DigitsSetup(**TINY))
-    model.load_state_dict(torch.load(tmp_path / "sdpa.pt", weights_only=True)["model"])
-    base = 100 * digits.evaluate(model, data[2], data[3])
+    base = 100 * digits.evaluate(trained(DigitsSetup(**TINY), tmp_path / "sdpa"), data[2], data[3])
     assert rows[0]["test accuracy (%)"] == pytest.approx(base)
     for row in rows:  # the share of the SDPA model's accuracy (undefined if that is 0)
         expected = 100 * row["test accuracy (%)"] / base if base else float("nan")
@@ -50,17 +58,20 @@ def test_swap_report(tmp_path, data):
     assert "| mita:num_landmarks=4,topk=4 |" in (tmp_path / "report.md").read_text()
 
 
-def test_swap_configs_cover_the_registry():
-    names = [c.partition(":")[0] for c in experiments.swap_configs()]
-    assert set(names) == set(experiments.registry.names())
+def test_swap_configs_cover_the_registry_and_fit_the_digits_grid():
+    from mita.models.convert import convert
+
+    configs = experiments.swap_configs()
+    assert {c.partition(":")[0] for c in configs} == set(experiments.registry.names())
+    for config in configs:
+        assert convert(digits.make_vit(DigitsSetup(**TINY)), config)(torch.randn(1, 1, 32, 32)).shape == (1, 10)
 
 
 def test_robustness_grid(tmp_path, data):
     setup = DigitsSetup(attention="mita:num_landmarks=4,topk=4", **TINY)
     result = experiments.run_robustness(tmp_path, setup, (1, 4), (2, 65), "cmd", log=quiet, data=data)
     assert result["grid"].shape == (2, 2)
-    model = digits.make_vit(setup)
-    model.load_state_dict(torch.load(tmp_path / "mita.pt", weights_only=True)["model"])
+    model = trained(setup, tmp_path / "mita")
     for layer in experiments.mita_layers(model):
         layer.num_landmarks, layer.topk = 4, 65
     assert float(result["grid"][1, 1]) == pytest.approx(100 * digits.evaluate(model, data[2], data[3]))
@@ -111,30 +122,33 @@ def test_pruning_report(tmp_path, data):
 
 
 def test_training_resumes_exactly(tmp_path, data):
+    """A run stopped after its first step and trained again ends with an uninterrupted run's weights."""
     setup = DigitsSetup(**{**TINY, "epochs": 2})
-    straight, _ = digits.train(setup, data, log=quiet)
-
-    def crash_after_first_epoch(line: str) -> None:
-        if "epoch 1/2" in line:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        digits.train(setup, data, tmp_path / "ckpt.pt", log=crash_after_first_epoch)
-    lines = []
-    resumed, summary = digits.train(setup, data, tmp_path / "ckpt.pt", log=lines.append)
-    assert lines[0].startswith("resumed sdpa") and len(lines) == 2
+    straight, _ = digits.train(setup, data, tmp_path / "straight", progress=False)
+    task, config = digits.training(setup, data)
+    trainer.train(task, config, tmp_path / "cut", stop_after=1, progress=False, tensorboard=False, ctx=Dist())
+    assert json.loads((tmp_path / "cut" / "summary.json").read_text())["step"] == 1
+    resumed, summary = digits.train(setup, data, tmp_path / "cut", progress=False)
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
-        torch.testing.assert_close(a, b, msg=name)
-    assert 0 <= summary["test_accuracy"] <= 1
+        assert torch.equal(a, b), name
+    assert 0 <= summary["test_accuracy"] <= 1 and summary["train_seconds"] > 0
 
 
-def test_checkpoint_of_another_setup(tmp_path, data):
-    digits.train(DigitsSetup(**TINY), data, tmp_path / "ckpt.pt", log=quiet)
+def test_run_of_another_setup(tmp_path, data):
+    run = tmp_path / "run"
+    digits.train(DigitsSetup(**TINY), data, run, progress=False)
     other = DigitsSetup(**{**TINY, "seed": 1})
     with pytest.raises(ValueError, match="use another output folder or --force"):
-        digits.train(other, data, tmp_path / "ckpt.pt", log=quiet)
-    digits.train(other, data, tmp_path / "ckpt.pt", restart=True, log=quiet)
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["setup"] == asdict(other)
+        digits.train(other, data, run, progress=False)
+    with pytest.raises(ValueError, match="digits run of"):
+        digits.train(DigitsSetup(**TINY), data, run, name="moving digits", progress=False)
+    digits.train(other, data, run, force=True, progress=False)
+    assert trainer.read_manifest(run)["config"]["setup"] == asdict(other)
+
+
+def test_batch_larger_than_the_data(data):
+    with pytest.raises(ValueError, match="--batch-size 64 exceeds the 32 training examples"):
+        digits.training(DigitsSetup(**{**TINY, "batch_size": 64}), data)
 
 
 @pytest.mark.parametrize(

@@ -1,1 +1,1 @@
-"""Benchmarks: the demo and the speed and memory suite."""
+"""Benchmarks: the demo and ``mita bench``, the timing suite (the ops, whole ViTs, VideoMAE, LRA models)."""

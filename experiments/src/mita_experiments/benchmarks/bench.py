@@ -1,4 +1,4 @@
-"""``mita bench``: time, throughput and peak memory of every registered attention against N.
+"""``mita bench [op]``: time, throughput and peak memory of every registered attention against N.
 
 Methods come from the registry (:mod:`mita.attention`), so a newly registered method is
 benchmarked with no change here. Each point (method, options, N, mode) is measured by
@@ -17,8 +17,6 @@ import inspect
 import itertools
 import json
 import re
-import shlex
-import sys
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -38,6 +36,7 @@ from .report import (
     CsvLog,
     Row,
     add_ratios,
+    command_line,
     crossovers,
     from_other_session,
     markdown_table,
@@ -48,7 +47,7 @@ from .report import (
     session_info,
     write_rows,
 )
-from .timing import DTYPES, MODES, Case, Measurement, measure, measure_side_by_side, op_profile
+from .timing import DTYPES, MODES, Case, Measurement, measure, measure_side_by_side, op_profile, torch_threads
 
 OUTPUTS = ("results.csv", "results.md", "time.png", "speedup.png", "memory.png", "machine.json")
 
@@ -298,12 +297,11 @@ def record_machine(path: Path, device: str, session: str, command: str, *, resum
     path.write_text(json.dumps(info, indent=2) + "\n")
 
 
-HELP = "time, throughput and peak memory of the attention methods against sequence length"
-DESCRIPTION = "Benchmark registered attention methods against SDPA (see docs/performance.md)."
+HELP = "the attention ops against sequence length: time, throughput and peak memory (the default target)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The arguments of ``mita bench`` (registered by :mod:`mita_experiments.benchmarks.cli`)."""
+    """The arguments of ``mita bench [op]`` (registered by :mod:`mita_experiments.benchmarks.cli`)."""
     p.add_argument("--methods", nargs="+", metavar="CONFIG", help="configs like mita 'mita:topk=32' (default: all)")
     p.add_argument(
         "--preset",
@@ -409,17 +407,12 @@ def run(args: argparse.Namespace) -> int:
     out_dir = prepare_out_dir(args.out, force=args.force, resume=args.resume)
     if args.profile:
         plan = dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, profile_dir=out_dir / "profiles"))
-    threads = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         session = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
-        record_machine(out_dir / "machine.json", args.device, session, _command(args), resume=args.resume)
+        record_machine(out_dir / "machine.json", args.device, session, command_line(args), resume=args.resume)
         rows = {_key(r): r for r in read_rows(out_dir / "results.csv")} if args.resume else {}
         write_rows(out_dir / "results.csv", rows.values())  # a new file, or the resumed one rid of a cut line
         failures = _measure_all(plan, args.dtype or "float32", args.device, session, rows, out_dir / "results.csv")
-    finally:
-        torch.set_num_threads(threads)
     # ratios again over all rows: a resumed run may have measured a baseline after the rows that need it
     final = [
         add_ratios(r, rows.get(_baseline_key(plan, r)))
@@ -483,13 +476,6 @@ def _measured(points: list[tuple[Row, Mapping[str, Any]]], case: Case, settings:
                 yield measure_row(*group[0], case, settings)
         except Exception as err:
             yield from (_failed(row, err) for row, _ in group)
-
-
-def _command(args: argparse.Namespace) -> str:
-    """The command line of this run, or its arguments when it was started from Python."""
-    if sys.argv[1:2] == ["bench"]:
-        return shlex.join(["mita", *sys.argv[1:]])
-    return "mita bench, from Python: " + ", ".join(f"{k}={v!r}" for k, v in vars(args).items() if k != "func")
 
 
 def _baseline_key(plan: Plan, row: Row) -> tuple[str, ...]:

@@ -18,8 +18,6 @@ import dataclasses
 import datetime
 import importlib.util
 import json
-import shlex
-import sys
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -35,6 +33,7 @@ from .report import (
     CsvLog,
     Row,
     add_ratios,
+    command_line,
     markdown_table,
     measured_row,
     point_row,
@@ -156,8 +155,11 @@ def run_gpu(args: argparse.Namespace, prepare_out_dir: Callable[..., Path]) -> i
     p = plan.preset
     out_dir = prepare_out_dir(plan.out, force=plan.force, resume=False)
     session = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
-    command = shlex.join(["mita", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else "mita bench, from Python"
-    info = {"machine": machine_info(plan.device), "sessions": [session_info(session, command)], "preset": str(p)}
+    info = {
+        "machine": machine_info(plan.device),
+        "sessions": [session_info(session, command_line(args))],
+        "preset": str(p),
+    }
     (out_dir / "machine.json").write_text(json.dumps(info, indent=2) + "\n")
     mita_opts = dict(p.mita)
     ops = series_ops(mita_opts)

@@ -6,9 +6,11 @@ file, so a resumed run reads back exactly what an earlier run wrote.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime
 import os
+import shlex
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -159,6 +161,14 @@ def markdown_table(rows: Iterable[Row], columns: Sequence[str] = TABLE_COLUMNS) 
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(_COLUMNS[c][1](r) for c in columns) + " |" for r in rows]
     return "\n".join(lines) + "\n"
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The ``mita bench`` command of a run as it was typed (the parser records its arguments in
+    ``bench_argv``), or its arguments when the namespace was made in Python."""
+    if hasattr(args, "bench_argv"):
+        return shlex.join(["mita", "bench", *args.bench_argv])
+    return "mita bench, from Python: " + ", ".join(f"{k}={v!r}" for k, v in vars(args).items() if k != "func")
 
 
 def session_info(session: str, command: str) -> dict[str, object]:

@@ -15,8 +15,8 @@ Both report bytes on top of what existed before the call; :func:`measure` adds t
 inputs (q, k, v and, for forward+backward, the upstream gradient) to give the peak
 footprint of the step.
 
-Whole models are timed side by side by :func:`alternating_rounds` (``mita video bench``,
-``mita vision bench``): each round times one call of every variant in turn, so all see the
+Whole models are timed side by side by :func:`alternating_rounds` (``mita bench vit``,
+``mita bench video``): each round times one call of every variant in turn, so all see the
 same machine load. :func:`measure_side_by_side` does the same for attention calls
 (``mita bench --rounds R``): on a machine whose speed drifts (a shared VM), a ratio of two
 medians taken minutes apart moves with the drift, one of medians over the same rounds much less.
@@ -112,6 +112,21 @@ def attention_step(op: Callable[..., torch.Tensor], tensors: tuple[torch.Tensor,
         torch.autograd.grad(op(q, k, v), (q, k, v), grad_out, allow_unused=True)
 
     return forward_backward
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` inside (None: left as they are), restored after;
+    a ValueError names ``--threads`` when it is below 1."""
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @contextlib.contextmanager

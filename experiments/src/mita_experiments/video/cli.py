@@ -1,6 +1,6 @@
-"""``mita video``: the moving-digits experiments (swap, robustness), a whole VideoMAE's speed, FLOP tables.
+"""``mita video``: the moving-digits experiments (swap, robustness) and FLOP tables.
 
-The op alone at video shapes is ``mita bench --preset video``.
+Speed is ``mita bench video`` (a whole VideoMAE) and ``mita bench --preset video`` (the op alone).
 """
 
 from __future__ import annotations
@@ -36,63 +36,31 @@ def cmd_robustness(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write(args: argparse.Namespace, title: str, text: str) -> None:
-    """Print ``text``; with ``--out``, also write it as report.md with the command and the machine."""
-    print(text)
-    if args.out:
-        from ..utils.files import atomic_write_text
-        from ..utils.machine import describe
-        from ..vision.experiments import prepare_output
-
-        out = prepare_output(args.out, args.force)
-        head = f"# {title}\n\nCommand: `{command_line(args)}`\n\nMachine: {describe()}\n\n"
-        atomic_write_text(out / "report.md", head + text)
-        print(f"wrote {out / 'report.md'}")
-
-
 def cmd_flops(args: argparse.Namespace) -> int:
+    """``mita video flops``: FLOP and parameter tables of VideoMAE encoders, full attention against MiTA."""
+    from ..utils.files import atomic_write_text
+    from ..utils.machine import describe
+    from ..vision.experiments import prepare_output
     from ..vision.flops import markdown_table
     from . import flops
 
+    out = prepare_output(args.out, args.force) if args.out else None  # checked before the tables are computed
     rows = [flops.backbone_row(b, counted=not args.no_counted) for b in flops.TABLE_BACKBONES]
     text = (
         "## FLOPs and parameters of VideoMAE encoders, full attention vs MiTA "
         f"(m = k = {flops.TOPK} on a {flops.LANDMARKS} landmark grid; batch 1, FLOPs = 2 x MACs)\n\n"
         + markdown_table(rows)
     )
-    _write(args, "Video FLOP tables", text)
-    return 0
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    import torch
-
-    from ..vision.flops import markdown_table
-    from .bench import clip_throughput
-    from .flops import VideoBackbone
-
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    for name in ("batch", "rounds"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    rows = []
-    for frames in args.frames:
-        if frames < 2 or frames % 2:
-            raise ValueError(f"--frames must be even numbers >= 2 (tubelets of 2 frames), got {frames}")
-        backbone = VideoBackbone(f"VideoMAE-B, {frames} frames", 768, args.layers, 12, frames=frames)
-        rows += clip_throughput(backbone, args.batch, args.rounds)
-    text = (
-        f"## A whole VideoMAE-B forward ({args.layers} layers, 224 px, random weights), MiTA vs SDPA, "
-        f"{torch.get_num_threads()} torch threads, median of {args.rounds} alternating rounds\n\n"
-        + markdown_table(rows)
-    )
-    _write(args, "VideoMAE forward speed", text)
+    print(text)
+    if out is not None:
+        head = f"# Video FLOP tables\n\nCommand: `{command_line(args)}`\n\nMachine: {describe()}\n\n"
+        atomic_write_text(out / "report.md", head + text)
+        print(f"wrote {out / 'report.md'}")
     return 0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("video", help="video: moving-digits swap and robustness, VideoMAE speed and FLOPs")
+    parser = sub.add_parser("video", help="video: moving-digits swap and robustness, VideoMAE FLOPs")
     video = parser.add_subparsers(dest="video_command", required=True, metavar="VIDEO_COMMAND")
 
     p = video.add_parser("swap", help="train a video ViT with SDPA on moving digits, evaluate with MiTA and the others")
@@ -106,16 +74,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--m", type=int, nargs="+", default=list(ROBUSTNESS_M), help="landmarks (cubes)")
     p.add_argument("--k", type=int, nargs="+", default=list(ROBUSTNESS_K), help="keys per expert")
     p.set_defaults(func=cmd_robustness)
-
-    p = video.add_parser("bench", help="a whole Hugging Face VideoMAE-B forward, MiTA vs SDPA, in clips/s")
-    p.add_argument("--frames", type=int, nargs="+", default=[16], help="clip lengths (16: N = 1,568; 32: N = 3,136)")
-    p.add_argument("--batch", type=int, default=1, help="clips per forward")
-    p.add_argument("--layers", type=int, default=12, help="encoder layers (12 is VideoMAE-B)")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds (one call of each attention per round)")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    add_out(p, "also write report.md here", type=Path)
-    add_force(p, "overwrite an existing report")
-    p.set_defaults(func=cmd_bench)
 
     p = video.add_parser("flops", help="FLOP and parameter tables of VideoMAE encoders, full attention vs MiTA")
     add_out(p, "also write report.md here", type=Path)

@@ -25,6 +25,8 @@ VIDEO_OPTIONS: dict[str, dict[str, Any]] = {
     "moba": {"block_size": 32, "topk": 2},
     "agent": {"num_agents": 8},
     "nystrom": {"num_landmarks": 32},
+    "mhla": {"num_blocks": 8},
+    "nsa": {"block_size": 32, "topk": 2, "window": 16},
 }
 SWAP_EXTRA = ("mita:num_landmarks=8,topk=8", "mita:num_landmarks=27,topk=64", "mita:num_landmarks=64,topk=128")
 ROBUSTNESS_M = (1, 8, 27, 64)

@@ -1,5 +1,5 @@
-"""``mita vision``: FLOP tables, the digits experiments (swap, robustness, pruning), whole-model speed
-and the ImageNet trainer."""
+"""``mita vision``: FLOP tables, the digits experiments (swap, robustness, pruning) and the ImageNet
+trainer. Whole-model speed is ``mita bench vit``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch
 
 from ..utils.files import atomic_write_text
 from ..utils.flags import add_force, add_out
-from .bench import MODELS, MODES, SIZES
 from .digits import DigitsSetup
 from .experiments import ROBUSTNESS_K, ROBUSTNESS_M
 
@@ -136,30 +135,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    """``mita vision bench``: whole timm DeiTs converted to MiTA against themselves unconverted, side by side."""
-    from ..utils.files import prepare_output_dir
-    from . import bench
-    from .train import model_args
-
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
-    sizes = [bench.parse_size(text) for text in args.sizes]
-    kwargs = model_args(args.model_args)
-    bench.check_settings(args.models, sizes, args.modes, args.rounds, kwargs)
-    out = prepare_output_dir(args.out, force=args.force)  # checked before any work
-    rows = bench.run(args.models, sizes, args.modes, args.rounds, model_kwargs=kwargs)
-    report, table = bench.write_outputs(out, rows, command_line(args), torch.get_num_threads())
-    print(report.read_text())
-    print(f"wrote {report} and {table}")
-    return 0
-
-
 def add_digits_arguments(p: argparse.ArgumentParser, out: str, defaults: DigitsSetup = _DIGITS_DEFAULTS) -> None:
     add_out(p, f"output folder (default {out})", default=Path(out), type=Path)
-    add_force(p, "write into a non-empty --out (an existing report, a mismatched checkpoint)")
+    add_force(
+        p, "write into a non-empty --out, training its models over (without it, an interrupted run there resumes)"
+    )
     p.add_argument("--epochs", type=int, default=defaults.epochs)
     p.add_argument("--batch-size", type=int, default=defaults.batch_size)
     p.add_argument("--lr", type=float, default=defaults.lr)
@@ -168,38 +148,20 @@ def add_digits_arguments(p: argparse.ArgumentParser, out: str, defaults: DigitsS
 
 
 def _add_train_parser(vision: argparse._SubParsersAction) -> None:
-    p = vision.add_parser("train", help="train a (MiTA-)DeiT on an ImageFolder tree; run it under torchrun")
-    p.add_argument("--data", required=True, help="folder with train/<class>/... and val/<class>/...")
-    what = "folder for checkpoint.pth, model.safetensors, log.jsonl, summary.json"
-    add_out(p, what, required=True, deprecated=["--output"])
-    p.add_argument("--model", default="mita_deit_small_patch16_224", help="any timm model name")
-    p.add_argument("--model-args", help="extra create_model options, e.g. 'num_landmarks=25,topk=25,compat=official'")
-    p.add_argument("--img-size", type=int, default=224)
-    p.add_argument("--epochs", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=128, help="per process (DeiT: 8 GPUs x 128 = 1024)")
-    p.add_argument("--lr", type=float, default=5e-4, help="for a total batch of 512, scaled linearly")
-    p.add_argument("--weight-decay", type=float, default=0.05)
-    p.add_argument("--warmup-epochs", type=int, default=5)
-    p.add_argument("--drop-path", type=float, default=0.1)
-    p.add_argument("--aa", default="rand-m9-mstd0.5-inc1", help="timm auto-augment policy ('' for none)")
-    p.add_argument("--reprob", type=float, default=0.25, help="random erasing probability")
-    p.add_argument("--mixup", type=float, default=0.8)
-    p.add_argument("--cutmix", type=float, default=1.0)
-    p.add_argument("--smoothing", type=float, default=0.1)
-    p.add_argument("--clip-grad", type=float, default=None)
-    p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--amp", action="store_true", help="bfloat16 autocast")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (smoke tests)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pth")
-    add_force(p, "start over even if --out holds a run")
+    from .train import add_arguments
+
+    p = vision.add_parser(
+        "train",
+        help="train a (MiTA-)DeiT on an ImageFolder tree (DDP: torchrun -m mita_experiments vision train)",
+        description="The DeiT recipe on the shared trainer; see mita_experiments.vision.train.",
+    )
+    add_out(p, "the run folder: config.json, metrics.csv, checkpoint.pt, model.safetensors, ...", required=True)
+    add_arguments(p)
     p.set_defaults(func=cmd_train)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
-        "vision", help="ViTs with MiTA: FLOP tables, digits experiments, whole-model speed, ImageNet trainer"
-    )
+    parser = sub.add_parser("vision", help="ViTs with MiTA: FLOP tables, digits experiments, ImageNet trainer")
     vision = parser.add_subparsers(dest="vision_command", required=True, metavar="VISION_COMMAND")
 
     p = vision.add_parser("flops", help="FLOP and parameter tables, full attention vs MiTA")
@@ -224,27 +186,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_digits_arguments(p, "runs/vision/pruning")
     p.add_argument("--train-attention", default="mita:num_landmarks=16,topk=16", help="the MiTA config trained")
     p.set_defaults(func=cmd_pruning)
-
-    p = vision.add_parser("bench", help="whole timm DeiTs converted to MiTA vs unconverted: images/s, steps/s")
-    p.add_argument("--models", nargs="+", default=list(MODELS), help="timm ViT names")
-    p.add_argument(
-        "--sizes",
-        nargs="+",
-        default=[str(s) for s in SIZES],
-        metavar="PX:BATCH:M[:K]",
-        help="image size, batch, MiTA landmarks m (a square) and keys k (default k = m)",
-    )
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="infer: a forward; train: a step")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds (one call of each model per round)")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    p.add_argument("--model-args", help="extra create_model options for every model, e.g. 'depth=2'")
-    add_out(
-        p,
-        "folder for report.md and results.csv (default runs/vision/bench)",
-        default=Path("runs/vision/bench"),
-        type=Path,
-    )
-    add_force(p, "write into a non-empty --out (an existing report)")
-    p.set_defaults(func=cmd_bench)
 
     _add_train_parser(vision)

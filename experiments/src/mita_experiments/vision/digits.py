@@ -1,13 +1,12 @@
 """A small ViT on scikit-learn's handwritten digits: the offline testbed of the vision experiments.
 
 The 1,797 8x8 digits (values 0-16) are upscaled bilinearly to 32x32 and cut into 4x4 patches:
-an 8x8 grid of 64 patches plus a CLS token, N = 65. The split, the initialisation and the
-batch order are seeded. Training checkpoints every epoch and resumes from the checkpoint.
+an 8x8 grid of 64 patches plus a CLS token, N = 65. The split is seeded; training is the shared
+trainer's (:mod:`mita_experiments.trainer`: seeded, a checkpoint every epoch, exact resume).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,14 +18,15 @@ import torch.nn.functional as F
 
 from mita import attention as registry
 
-from ..utils.checkpoint import load_checkpoint, save_checkpoint
+from .. import trainer
+from ..utils.distributed import Dist
 
 GRID = 8  # patches per side: 32 px images, 4 px patches
 
 
 @dataclass(frozen=True)
 class DigitsSetup:
-    """What a digits run depends on; a checkpoint is reused only for the same setup."""
+    """What a digits run depends on; a run is resumed only for the same setup."""
 
     attention: str = "sdpa"
     epochs: int = 12
@@ -65,6 +65,10 @@ def load_digits(seed: int = 0, test_fraction: float = 0.2) -> tuple[torch.Tensor
     return (x_train - mean) / std, labels[idx_train], (x_test - mean) / std, labels[idx_test]
 
 
+#: makes the model of a setup
+Build = Callable[[DigitsSetup], nn.Module]
+
+
 def make_vit(setup: DigitsSetup) -> nn.Module:
     """A timm ViT for 1x32x32 digits (patch 4, CLS token, mean-pooled head) with ``setup.attention``."""
     from timm.models.vision_transformer import VisionTransformer
@@ -98,75 +102,94 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
     return correct / len(y)
 
 
-def _matching_checkpoint(checkpoint: Path | None, setup: DigitsSetup, restart: bool) -> dict[str, Any] | None:
-    """The checkpoint's state if it exists and was made with ``setup``; a mismatch is an error unless ``restart``."""
-    if checkpoint is None or not checkpoint.exists():
-        return None
-    state = load_checkpoint(checkpoint)
-    if state.get("setup") == asdict(setup):
-        return state
-    if restart:
-        return None
-    raise ValueError(
-        f"checkpoint {checkpoint} was made with {state.get('setup')}, not {asdict(setup)}; "
-        "use another output folder or --force to train over it"
+class Tensors:
+    """In-memory inputs and labels as a dataset of the trainer: ``__getitems__`` gives a whole batch."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.tensor(indices)
+        return self.x[idx], self.y[idx]
+
+
+def scores(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> trainer.Scores:
+    """Summed cross-entropy and number correct of a batch."""
+    return trainer.classification_scores(model(batch[0]), batch[1])
+
+
+def training(
+    setup: DigitsSetup, data: tuple[torch.Tensor, ...], build: Build = make_vit, name: str = "digits"
+) -> tuple[trainer.Task, dict[str, Any]]:
+    """The trainer's task and config of a digits run: ``build(setup)``'s model on ``data``'s training
+    split, ``setup.epochs`` epochs of AdamW (weight decay 0.01) with a linear warm-up over the first
+    tenth of the steps and a cosine decay, a checkpoint every epoch. ``name`` names the task."""
+    x_train, y_train = data[0], data[1]
+    if setup.batch_size > len(y_train):
+        raise ValueError(f"--batch-size {setup.batch_size} exceeds the {len(y_train)} training examples")
+    steps_per_epoch = len(y_train) // setup.batch_size
+    steps = setup.epochs * steps_per_epoch
+    train = {
+        "batch_size": setup.batch_size,
+        "steps": steps,
+        "lr": setup.lr,
+        "weight_decay": 0.01,
+        "schedule": "cosine",
+        "warmup": steps // 10,
+        "seed": setup.seed,
+        "log_every": steps_per_epoch,
+        "checkpoint_every": steps_per_epoch,
+    }
+    task = trainer.Task(
+        build_model=lambda: build(setup),
+        scores=scores,
+        train_data=Tensors(x_train, y_train),
+        identity={"task": name, "attention": setup.attention},
+        fingerprint={"train": trainer.tensor_digest(x_train, y_train)},
+        name=f"{name} {setup.attention}",
     )
+    return task, {"train": train, "task": name, "setup": asdict(setup)}
 
 
 def train(
     setup: DigitsSetup,
     data: tuple[torch.Tensor, ...],
-    checkpoint: Path | None = None,
-    restart: bool = False,
-    log=print,
-    build: Callable[[DigitsSetup], nn.Module] | None = None,
+    run_dir: str | Path,
+    *,
+    force: bool = False,
+    build: Build = make_vit,
+    name: str = "digits",
+    progress: bool = True,
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """Train a digits ViT (or ``build(setup)``'s model); with ``checkpoint``, save after every epoch and resume from it.
+    """Train a digits ViT (or ``build(setup)``'s model) in the run folder ``run_dir`` (:func:`training`,
+    on the CPU), resuming the run there if it was interrupted.
 
-    A checkpoint of another setup is an error, or is trained over with ``restart=True``.
-    Returns the model and a summary (test accuracy, training seconds over all sessions).
+    A run of another setup or task there is an error, or is started over with ``force``.
+    Returns the trained model and a summary: its test accuracy and its training seconds.
     """
-    x_train, y_train, x_test, y_test = data
-    model = (build or make_vit)(setup)
-    opt = torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.01)
-    steps_per_epoch = -(-len(y_train) // setup.batch_size)
-    sched = torch.optim.lr_scheduler.OneCycleLR(
-        opt, setup.lr, total_steps=setup.epochs * steps_per_epoch, pct_start=0.1
+    run_dir = Path(run_dir)
+    task, config = training(setup, data, build, name)
+    if not force and (run_dir / trainer.MANIFEST).is_file():
+        run = trainer.read_manifest(run_dir)["config"]
+        if (run.get("task"), run.get("setup")) != (name, asdict(setup)):
+            raise ValueError(
+                f"{run_dir} holds a {run.get('task')} run of {run.get('setup')}, not of {asdict(setup)}; "
+                "use another output folder or --force to train over it"
+            )
+    summary = trainer.train(
+        task,
+        config,
+        run_dir,
+        resume=not force and (run_dir / trainer.CHECKPOINT).is_file(),
+        force=force,
+        progress=progress,
+        tensorboard=False,
+        ctx=Dist(),
     )
-    start, seconds = 0, 0.0
-    state = _matching_checkpoint(checkpoint, setup, restart)
-    if state is not None:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
-        start, seconds = state["epoch"], state["seconds"]
-        log(f"resumed {setup.attention} from {checkpoint} at epoch {start}")
-    generator = torch.Generator().manual_seed(setup.seed)
-    for _ in range(start):  # replay the RNG so a resumed run sees the same batches
-        torch.randperm(len(y_train), generator=generator)
-    for epoch in range(start, setup.epochs):
-        t0 = time.perf_counter()
-        model.train()
-        order = torch.randperm(len(y_train), generator=generator)
-        total = 0.0
-        for i in range(0, len(order), setup.batch_size):
-            batch = order[i : i + setup.batch_size]
-            loss = F.cross_entropy(model(x_train[batch]), y_train[batch])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            total += float(loss.detach()) * len(batch)
-        seconds += time.perf_counter() - t0
-        if checkpoint is not None:
-            state = {
-                "setup": asdict(setup),
-                "model": model.state_dict(),
-                "opt": opt.state_dict(),
-                "sched": sched.state_dict(),
-                "epoch": epoch + 1,
-                "seconds": seconds,
-            }
-            save_checkpoint(state, checkpoint)
-        log(f"{setup.attention} epoch {epoch + 1}/{setup.epochs}: loss {total / len(order):.4f}")
-    return model, {"test_accuracy": evaluate(model, x_test, y_test), "train_seconds": seconds}
+    model = build(setup)
+    weights = run_dir / trainer.WEIGHTS
+    trainer.load_model_state(model, trainer.read_checkpoint(weights)["model"], weights)
+    return model, {"test_accuracy": evaluate(model, data[2], data[3]), "train_seconds": summary["train_seconds"]}

@@ -7,8 +7,9 @@
 
 Each takes ``data`` = (x_train, y_train, x_test, y_test) to run on other images (the tests do).
 Swap and robustness also take a :class:`Task` (data, model, the methods' options for its length,
-the report's words) to run on other inputs: :data:`DIGITS` by default; ``mita.video`` runs them on
-moving digits.
+the report's words) to run on other inputs: :data:`DIGITS` by default; :mod:`mita_experiments.video`
+runs them on moving digits. The models are trained by :func:`~mita_experiments.vision.digits.train`
+in run folders of ``out`` (``sdpa/``, ``mita/``), which a re-run resumes.
 """
 
 from __future__ import annotations
@@ -40,13 +41,15 @@ SMALL_N_OPTIONS: dict[str, dict[str, Any]] = {
     "moba": {"block_size": 8, "topk": 2},
     "agent": {"num_agents": 16},
     "nystrom": {"num_landmarks": 16},
+    "mhla": {"num_blocks": 16},
+    "nsa": {"block_size": 8, "topk": 2, "window": 4},
 }
 #: extra MiTA settings the swap evaluates besides m = k = 16
 SWAP_MITA_EXTRA = ("mita:num_landmarks=4,topk=8", "mita:num_landmarks=64,topk=65")
 ROBUSTNESS_M = (1, 4, 9, 16, 25, 36, 64)
 ROBUSTNESS_K = (1, 2, 4, 8, 16, 32, 65)
 REPORT = "report.md"
-CHECKPOINTS = ("sdpa.pt", "mita.pt")  # the digits models the experiments train (and resume)
+RUNS = ("sdpa", "mita")  # the run folders of the models the experiments train (and resume)
 
 Log = Callable[[str], None]
 
@@ -106,9 +109,9 @@ DIGITS = Task(
 
 def prepare_output(out: Path | str, force: bool) -> Path:
     """Create ``out`` before any work. Refuses a file, a path under a file, an unwritable
-    folder, and unless ``force`` a folder holding anything but the checkpoint of an
-    interrupted run (which is resumed)."""
-    return prepare_output_dir(out, force=force, ignore=CHECKPOINTS)
+    folder, and unless ``force`` a folder holding anything but the run folders of an
+    interrupted experiment (whose runs are resumed)."""
+    return prepare_output_dir(out, force=force, ignore=RUNS)
 
 
 def write_report(
@@ -171,7 +174,7 @@ def run_swap(
 
     setup = replace(setup, attention="sdpa")
     data = data or task.load(setup.seed)
-    model, summary = train(setup, data, out / "sdpa.pt", restart=force, log=log, build=task.build)
+    model, summary = train(setup, data, out / "sdpa", force=force, build=task.build, name=task.name)
     base = summary["test_accuracy"]
     rows = []
     for config in configs or swap_configs(task.swap_options, task.swap_extra):
@@ -237,7 +240,7 @@ def run_robustness(
     if name != "mita":
         raise ValueError(f"robustness trains MiTA: --train-attention must be a 'mita:...' config, got {name!r}")
     data = data or task.load(setup.seed)
-    model, summary = train(setup, data, out / "mita.pt", restart=force, log=log, build=task.build)
+    model, summary = train(setup, data, out / "mita", force=force, build=task.build, name=task.name)
     layers = mita_layers(model)
     grid = torch.zeros(len(ms), len(ks))
     for i, m in enumerate(ms):
@@ -347,7 +350,7 @@ def run_pruning(
     if name != "mita":
         raise ValueError(f"pruning analyses MiTA: --train-attention must be a 'mita:...' config, got {name!r}")
     data = data or load_digits(setup.seed)
-    model, summary = train(setup, data, out / "mita.pt", restart=force, log=log)
+    model, summary = train(setup, data, out / "mita", force=force)
     stats = selection_statistics(model, data[2])
     n, L = GRID * GRID + 1, stats["frequency"].shape[0]
     m, k = options.get("num_landmarks", 64), options.get("topk", 64)

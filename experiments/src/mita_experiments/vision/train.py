@@ -1,66 +1,141 @@
-"""``mita vision train``: the ImageNet-1K recipe for MiTA-DeiT, a small DeiT-style trainer.
+"""``mita vision train``: the ImageNet-1K recipe for MiTA-DeiT on the shared trainer.
 
-It trains any timm model name (the registered ``mita_deit_*`` ones included) on an
-ImageFolder tree (``DATA/train/<class>/*.JPEG``, ``DATA/val/<class>/*.JPEG``) with the DeiT
-recipe's pieces from timm (RandAugment, random erasing, Mixup/CutMix, label smoothing, AdamW,
-cosine schedule with warm-up, stochastic depth). Launched by ``torchrun`` it runs data-parallel
-(one process per GPU, NCCL; gloo on CPU). Every epoch it saves ``OUT/checkpoint.pth`` (tensors
-and plain types, loaded with ``weights_only=True``) and ``OUT/model.safetensors`` (the
-weights, for exchange); ``--resume`` continues from the checkpoint, and an existing run is
-never overwritten without ``--resume`` or ``--force``. Its parser is in :mod:`mita_experiments.vision.cli`.
+It trains any timm model name (the registered ``mita_deit_*`` ones included) on an ImageFolder
+tree (``DATA/train/<class>/*.JPEG``, ``DATA/val/<class>/*.JPEG``) with the DeiT recipe's pieces
+from timm (RandAugment, random erasing, Mixup/CutMix, label smoothing, stochastic depth) and
+AdamW without weight decay on norms, biases and position embeddings, the learning rate scaled
+linearly with the batch (``--lr`` is for 512 images a step), a linear warm-up and a cosine decay
+per step. The loop is :mod:`mita_experiments.trainer`'s: the run folder (``config.json``,
+``metrics.csv``, ``checkpoint.pt``, ``best.pt``, ``model.safetensors``, ``summary.json``),
+evaluation and a checkpoint every epoch, bf16 autocast with ``--amp``, DDP under ``torchrun``
+(one process per GPU, NCCL; gloo on CPU) and exact resume (the RNG and data-order state are in the
+checkpoint).
+
+The recipe is the flags of :data:`RECIPE` (:func:`add_arguments`); it is checked where it is made
+(:func:`recipe`), and ``--resume`` takes the run's own recipe: a flag left out is the run's, a flag
+given must be the run's (but ``--epochs``, which may grow).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from mita.utils.options import parse_assignments, split_items
 
-from ..utils.checkpoint import load_checkpoint, save_checkpoint, save_weights
+from .. import trainer
+from ..trainer import cli as trainer_cli
 from ..utils.distributed import init_distributed
-from ..utils.files import atomic_write_text, prepare_output_dir
 
-CHECKPOINT = "checkpoint.pth"
+#: the recipe's flags and their defaults (``--model-args`` as a dict; ``--clip-grad 0``: no clipping)
+RECIPE: dict[str, Any] = {
+    "model": "mita_deit_small_patch16_224",
+    "model_args": {},
+    "img_size": 224,
+    "epochs": 300,
+    "batch_size": 128,
+    "lr": 5e-4,
+    "weight_decay": 0.05,
+    "warmup_epochs": 5,
+    "drop_path": 0.1,
+    "aa": "rand-m9-mstd0.5-inc1",
+    "reprob": 0.25,
+    "mixup": 0.8,
+    "cutmix": 1.0,
+    "smoothing": 0.1,
+    "clip_grad": 0.0,
+    "amp": False,
+    "seed": 0,
+}
+#: recipe flags a resumed run may change
+RESUMABLE = ("epochs",)
+MIN_LR = 1e-5  # the floor of the cosine decay (DeiT's)
 
 
-def _check_args(args: argparse.Namespace) -> tuple[Path, Path]:
-    """Every argument, and the output folder, checked before any work."""
-    data, output = Path(args.data), Path(args.out)
-    for split in ("train", "val"):
-        if not (data / split).is_dir():
-            raise FileNotFoundError(f"--data {data} needs an ImageFolder tree with {split}/<class>/<images>")
-    for name in ("epochs", "batch_size", "img_size"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("workers", "max_steps", "warmup_epochs"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if args.lr <= 0:
-        raise ValueError(f"--lr must be > 0, got {args.lr}")
-    if (args.mixup > 0 or args.cutmix > 0) and args.batch_size % 2:
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _json(value: Any) -> str:
+    """``value`` as JSON with sorted keys: how a flag's value compares with the one a run recorded."""
+    return json.dumps(value, sort_keys=True)
+
+
+def _given(args: argparse.Namespace) -> dict[str, Any]:
+    """The recipe flags given on the command line (None: left out), ``--model-args`` as a dict."""
+    given = {key: getattr(args, key) for key in RECIPE}
+    if given["model_args"] is not None:
+        given["model_args"] = parse_assignments(split_items(given["model_args"]), "--model-args")
+    return given
+
+
+def _run_recipe(out: Path, given: dict[str, Any]) -> dict[str, Any] | None:
+    """On ``--resume``, the recipe of the run in ``out`` (None if it holds none yet); a ValueError
+    names the flags given with other values than the run's."""
+    if not (out / trainer.MANIFEST).is_file():
+        return None
+    run = trainer.read_manifest(out)["config"].get("recipe")
+    if not isinstance(run, dict) or set(run) != set(RECIPE):
+        raise ValueError(f"--resume: {out} holds a run that is not a 'mita vision train' run; pick its own command")
+    differ = [
+        key
+        for key, value in given.items()
+        if value is not None and key not in RESUMABLE and _json(value) != _json(run[key])
+    ]
+    if differ:
+        was = ", ".join(f"{_flag(k)} {_json(run[k])}" for k in differ)
+        now = ", ".join(f"{_flag(k)} {_json(given[k])}" for k in differ)
         raise ValueError(
-            f"Mixup/CutMix needs an even --batch-size, got {args.batch_size} (or pass --mixup 0 --cutmix 0)"
+            f"--resume: the run in {out} was trained with {was}, not {now}; leave them out to continue it "
+            "(a resumed run keeps its recipe), or start a new --out"
         )
-    if args.resume and not (output / CHECKPOINT).is_file():
-        raise FileNotFoundError(f"--resume: no checkpoint at {output / CHECKPOINT}")
-    if (output / CHECKPOINT).exists() and not (args.resume or args.force):
-        raise FileExistsError(f"{output / CHECKPOINT} exists; pass --resume to continue it or --force to start over")
-    hint = "pass --force to start over in it, or pick another --out"
-    prepare_output_dir(output, force=args.force, reuse=args.resume, create=False, hint=hint)
-    return data, output
+    return run
 
 
-def model_args(text: str | None) -> dict[str, Any]:
-    """``--model-args 'num_landmarks=25,topk=25'`` as a dict (a key given twice is an error)."""
-    return parse_assignments(split_items(text or ""), "--model-args")
+def _check(recipe: dict[str, Any]) -> None:
+    """Every number of the recipe in its domain; a ValueError names the flag and what it may be."""
+    for key, low in {"img_size": 1, "epochs": 1, "batch_size": 1, "warmup_epochs": 0, "seed": 0}.items():
+        value = recipe[key]
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+            raise ValueError(f"{_flag(key)} must be a whole number >= {low}, got {value!r}")
+
+    def number(key: str, inside: Any, what: str) -> None:
+        value = recipe[key]
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and inside(value)):
+            raise ValueError(f"{_flag(key)} must be {what}, got {value!r}")
+
+    number("lr", lambda v: v > 0, "a number > 0")
+    number("weight_decay", lambda v: v >= 0, "a number >= 0")
+    number("drop_path", lambda v: 0 <= v < 1, "a probability in [0, 1)")
+    number("reprob", lambda v: 0 <= v <= 1, "a probability in [0, 1]")
+    number("mixup", lambda v: v >= 0, "a Beta alpha >= 0 (0: off)")
+    number("cutmix", lambda v: v >= 0, "a Beta alpha >= 0 (0: off)")
+    number("smoothing", lambda v: 0 <= v < 1, "a number in [0, 1)")
+    number("clip_grad", lambda v: v >= 0, "a gradient norm >= 0 (0: no clipping)")
+    if (recipe["mixup"] > 0 or recipe["cutmix"] > 0) and recipe["batch_size"] % 2:
+        raise ValueError(
+            f"Mixup/CutMix mixes pairs of images: --batch-size must be even, got {recipe['batch_size']} "
+            "(or pass --mixup 0 --cutmix 0)"
+        )
+
+
+def recipe(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's recipe from the flags (left out: :data:`RECIPE`'s defaults, or on ``--resume`` the
+    run's), checked; before any data is read."""
+    given = _given(args)
+    run = _run_recipe(Path(args.out), given) if args.resume else None
+    base = run if run is not None else RECIPE
+    made = {key: base[key] if value is None else value for key, value in given.items()}
+    _check(made)
+    return made
 
 
 def _posterize(img: Any, bits_to_keep: int, **kwargs: Any) -> Any:
@@ -90,136 +165,174 @@ def train_transform(cfg: dict[str, Any], aa: str | None, reprob: float) -> Any:
     return transform
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Train and evaluate; returns the last epoch's summary (also written to OUTPUT/summary.json)."""
+def _files_digest(dataset: Any) -> str:
+    """A SHA-256 of an ImageFolder's files (paths under its root) and labels: its data, checked on resume."""
+    h = hashlib.sha256()
+    for path, label in dataset.samples:
+        h.update(f"{Path(path).relative_to(dataset.root)}\t{label}\n".encode())
+    return h.hexdigest()
+
+
+class Scores:
+    """The summed loss and the number right (top-1) of a batch.
+
+    In training with Mixup/CutMix: the soft-target cross-entropy of the mixed images (their
+    targets label-smoothed by timm's ``Mixup``), top-1 against the unmixed labels; in training
+    without them: cross-entropy with label smoothing; in evaluation: plain cross-entropy.
+    """
+
+    def __init__(self, mixup: Any, smoothing: float) -> None:
+        self.mixup, self.smoothing = mixup, smoothing
+
+    def __call__(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> trainer.Scores:
+        images, labels = batch
+        if model.training and self.mixup is not None:
+            mixed, soft = self.mixup(images, labels)
+            logits = model(mixed).float()
+            loss = -(soft * F.log_softmax(logits, -1)).sum()
+        else:
+            logits = model(images).float()
+            smoothing = self.smoothing if model.training else 0.0
+            loss = F.cross_entropy(logits, labels, label_smoothing=smoothing, reduction="sum")
+        return trainer.Scores(loss, len(labels), {"top1": (logits.detach().argmax(-1) == labels).sum()})
+
+
+def training(recipe: dict[str, Any], data: Path, workers: int, world: int) -> tuple[trainer.Task, dict[str, Any]]:
+    """The trainer's task and config of a checked ``recipe`` on the ImageFolder tree ``data``, with
+    ``workers`` loading processes per rank and ``world`` ranks of ``--batch-size`` images each."""
     import timm
     from timm.data import Mixup, create_transform, resolve_data_config
-    from timm.loss import SoftTargetCrossEntropy
-    from timm.optim import create_optimizer_v2
-    from timm.scheduler import CosineLRScheduler
+    from timm.optim import param_groups_weight_decay
     from torchvision.datasets import ImageFolder
 
     from mita.models.deit import register_models
 
-    data, output = _check_args(args)
+    for split in ("train", "val"):
+        if not (data / split).is_dir():
+            raise FileNotFoundError(f"--data {data} needs an ImageFolder tree with {split}/<class>/<images>")
     register_models()
-    ctx = init_distributed()
-    distributed, rank, world, device = ctx.distributed, ctx.rank, ctx.world, ctx.device
-    torch.manual_seed(args.seed + rank)
-    classes = ImageFolder(data / "val").classes
-    model = timm.create_model(
-        args.model,
-        num_classes=len(classes),
-        drop_path_rate=args.drop_path,
-        img_size=args.img_size,
-        **model_args(args.model_args),
-    ).to(device)
-    cfg = resolve_data_config({"input_size": (3, args.img_size, args.img_size)}, model=model)
-    train_set = ImageFolder(data / "train", train_transform(cfg, args.aa, args.reprob))
-    val_set = ImageFolder(data / "val", create_transform(**cfg))
-    if train_set.classes != classes:
-        raise ValueError(f"train and val classes differ: {train_set.classes} vs {classes}")
-    sampler = torch.utils.data.DistributedSampler(train_set, seed=args.seed) if distributed else None
-    loader = torch.utils.data.DataLoader(
-        train_set,
-        batch_size=args.batch_size,
-        shuffle=sampler is None,
-        sampler=sampler,
-        num_workers=args.workers,
-        drop_last=len(train_set) >= args.batch_size * world,
-        pin_memory=device.type == "cuda",
-    )
-    val_loader = torch.utils.data.DataLoader(val_set, batch_size=args.batch_size, num_workers=args.workers)
-    lr = args.lr * args.batch_size * world / 512  # DeiT's linear scaling rule
-    optimizer = create_optimizer_v2(model, "adamw", lr=lr, weight_decay=args.weight_decay)
-    scheduler = CosineLRScheduler(
-        optimizer, t_initial=args.epochs, warmup_t=args.warmup_epochs, warmup_lr_init=1e-6, lr_min=1e-5
-    )
-    mixup = None
-    if args.mixup > 0 or args.cutmix > 0:
-        mixup = Mixup(
-            mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, label_smoothing=args.smoothing, num_classes=len(classes)
+    if not timm.is_model(recipe["model"]):
+        raise ValueError(f"--model {recipe['model']!r} is not a timm model name")
+    val_set = ImageFolder(data / "val")
+    options = {
+        "num_classes": len(val_set.classes),
+        "drop_path_rate": recipe["drop_path"],
+        "img_size": recipe["img_size"],
+        **recipe["model_args"],
+    }
+
+    def build() -> torch.nn.Module:
+        return timm.create_model(recipe["model"], **options)
+
+    try:
+        with torch.device("meta"):  # the options checked, no memory
+            model = build()
+    except TypeError as err:
+        raise ValueError(f"--model {recipe['model']} --model-args {recipe['model_args']}: {err}") from None
+    cfg = resolve_data_config({"input_size": (3, recipe["img_size"], recipe["img_size"])}, model=model)
+    val_set.transform = create_transform(**cfg)
+    train_set = ImageFolder(data / "train", train_transform(cfg, recipe["aa"], recipe["reprob"]))
+    if train_set.classes != val_set.classes:
+        raise ValueError(f"--data {data}: the train and val classes differ ({train_set.classes} vs {val_set.classes})")
+    batch = recipe["batch_size"] * world
+    per_epoch = len(train_set) // batch
+    if per_epoch < 1:
+        raise ValueError(
+            f"--batch-size {recipe['batch_size']} x {world} process(es) = {batch} exceeds the {len(train_set)} "
+            "training images; lower --batch-size"
         )
-    criterion = SoftTargetCrossEntropy() if mixup else torch.nn.CrossEntropyLoss(label_smoothing=args.smoothing)
-    start, steps, best = 0, 0, 0.0
-    ckpt = output / CHECKPOINT
-    if args.resume:
-        state = load_checkpoint(ckpt)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        start, steps, best = state["epoch"], state["steps"], state["best"]
-    ddp = (
-        torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-        if distributed
-        else model
+    lr = recipe["lr"] * batch / 512  # DeiT's linear scaling rule
+    train = {
+        "batch_size": batch,
+        "steps": recipe["epochs"] * per_epoch,
+        "lr": lr,
+        "schedule": "cosine",
+        "warmup": recipe["warmup_epochs"] * per_epoch,
+        "min_lr": min(MIN_LR, lr),
+        "weight_decay": recipe["weight_decay"],
+        "grad_clip": recipe["clip_grad"],
+        "precision": "bf16" if recipe["amp"] else "fp32",
+        "seed": recipe["seed"],
+        "eval_every": per_epoch,
+        "checkpoint_every": per_epoch,
+        "eval_batch_size": recipe["batch_size"],
+    }
+    mixup = None
+    if recipe["mixup"] > 0 or recipe["cutmix"] > 0:
+        mixup = Mixup(
+            mixup_alpha=recipe["mixup"],
+            cutmix_alpha=recipe["cutmix"],
+            label_smoothing=recipe["smoothing"],
+            num_classes=len(val_set.classes),
+        )
+    task = trainer.Task(
+        build_model=build,
+        scores=Scores(mixup, recipe["smoothing"]),
+        train_data=train_set,
+        eval_data={"val": val_set},
+        metrics=("top1",),
+        identity={"model": recipe["model"]},
+        fingerprint={
+            name: {"images": len(ds), "classes": ds.classes, "files": _files_digest(ds)}
+            for name, ds in (("train", train_set), ("val", val_set))
+        },
+        workers=workers,
+        param_groups=lambda m: param_groups_weight_decay(
+            m, recipe["weight_decay"], no_weight_decay_list=getattr(m, "no_weight_decay", set)()
+        ),
+        free_keys=tuple(f"recipe.{key}" for key in RESUMABLE),
+        name=f"train {recipe['model']}",
     )
-    if rank == 0:
-        output.mkdir(parents=True, exist_ok=True)
-    summary: dict[str, Any] = {}
-    for epoch in range(start, args.epochs):
-        scheduler.step(epoch)
-        if sampler is not None:
-            sampler.set_epoch(epoch)
-        ddp.train()
-        t0, total, seen = time.perf_counter(), 0.0, 0
-        for images, targets in loader:
-            images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            if mixup is not None:
-                images, targets = mixup(images, targets)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
-                loss = criterion(ddp(images), targets)
-            if not math.isfinite(float(loss.detach())):
-                raise ValueError(f"the loss is {float(loss)} at step {steps}; lower --lr or check the data")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if args.clip_grad:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
-            optimizer.step()
-            total, seen, steps = total + float(loss.detach()) * len(images), seen + len(images), steps + 1
-            if args.max_steps and steps >= args.max_steps:
-                break
-        accuracy = evaluate(model, val_loader, device, args.amp)
-        best = max(best, accuracy)
-        summary = {
-            "epoch": epoch + 1,
-            "steps": steps,
-            "train_loss": total / max(seen, 1),
-            "val_top1": accuracy,
-            "best_val_top1": best,
-            "epoch_seconds": time.perf_counter() - t0,
-            "lr": optimizer.param_groups[0]["lr"],
-        }
-        if rank == 0:
-            recipe = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
-            state = {
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "epoch": epoch + 1,
-                "steps": steps,
-                "best": best,
-                "args": recipe,
-            }
-            save_checkpoint(state, ckpt)
-            save_weights(model.state_dict(), output / "model.safetensors", {"timm_model": args.model})
-            with open(output / "log.jsonl", "a") as f:
-                f.write(json.dumps(summary) + "\n")
-            atomic_write_text(output / "summary.json", json.dumps(summary, indent=2) + "\n")
-            print(json.dumps(summary))
-        if args.max_steps and steps >= args.max_steps:
-            break
-    if distributed:
-        dist.destroy_process_group()
+    return task, {"train": train, "recipe": recipe}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``mita vision train`` but ``--out``: the data, the recipe (:data:`RECIPE`; left out:
+    its default, or on ``--resume`` the run's), the loading processes and the trainer's flags."""
+    p.add_argument("--data", required=True, help="folder with train/<class>/... and val/<class>/...")
+    helps = {
+        "model": "any timm model name",
+        "model_args": "extra create_model options, e.g. 'num_landmarks=25,topk=25,compat=official'",
+        "img_size": "image size in pixels",
+        "epochs": "epochs (on --resume it may grow)",
+        "batch_size": "images a step per process (DeiT: 8 GPUs x 128 = 1024)",
+        "lr": "learning rate for 512 images a step, scaled linearly with the batch",
+        "weight_decay": "AdamW weight decay (none on norms, biases and position embeddings)",
+        "warmup_epochs": "epochs of linear warm-up",
+        "drop_path": "stochastic depth rate",
+        "aa": "timm auto-augment policy ('' for none)",
+        "reprob": "random erasing probability",
+        "mixup": "Mixup alpha (0: off)",
+        "cutmix": "CutMix alpha (0: off)",
+        "smoothing": "label smoothing",
+        "clip_grad": "largest gradient norm (0: no clipping)",
+        "amp": "bfloat16 autocast",
+        "seed": "seed of the initialisation, the data order and every random draw",
+    }
+    for key, default in RECIPE.items():
+        shown = "none" if key == "model_args" else default
+        text = f"{helps[key]} (default {shown}; on --resume the run's)"
+        if isinstance(default, bool):
+            p.add_argument(_flag(key), action="store_true", default=None, help=text)
+        else:
+            p.add_argument(_flag(key), type=str if key == "model_args" else type(default), help=text)
+    p.add_argument("--workers", type=int, default=8, help="image loading processes per process (default 8)")
+    trainer_cli.add_arguments(p)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Train (or ``--resume``, or ``--force`` start over) the run in ``--out``; its summary, also
+    printed by rank 0 and written to ``OUT/summary.json``."""
+    made = recipe(args)
+    if args.workers < 0:
+        raise ValueError(f"--workers must be >= 0, got {args.workers}")
+    ctx = init_distributed(args.device)
+    try:
+        task, config = training(made, Path(args.data), args.workers, ctx.world)
+        summary = trainer.train(task, config, args.out, ctx=ctx, **trainer_cli.options(args))
+    finally:
+        if ctx.distributed:
+            dist.destroy_process_group()
+    if ctx.main:
+        print(json.dumps(summary, indent=2))
     return summary
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, device: torch.device, amp: bool = False) -> float:
-    """Top-1 accuracy (%) on the validation loader (every process evaluates the whole set)."""
-    model.eval()
-    correct = total = 0
-    for images, targets in loader:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-            logits = model(images.to(device))
-        correct += int((logits.argmax(-1).cpu() == targets).sum())
-        total += len(targets)
-    return 100.0 * correct / max(total, 1)

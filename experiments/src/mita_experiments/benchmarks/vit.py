@@ -1,10 +1,10 @@
-"""A whole timm DeiT converted to MiTA against itself unconverted, side by side (``mita vision bench``).
+"""``mita bench vit``: a whole timm ViT converted to MiTA against itself unconverted, side by side.
 
 Random weights (no download). For each model, image size and mode, the unconverted model
 (timm's attention, ``timm``) and a copy converted by ``mita.convert(model, "mita",
 num_landmarks=m, topk=k)`` start from the same weights and see the same input; each round
 times one call of each, alternating, after a warm-up call each
-(:func:`mita_experiments.benchmarks.timing.alternating_rounds`), and the result is the median over rounds.
+(:func:`mita_experiments.benchmarks.models.side_by_side`), and the result is the median over rounds.
 
 * ``infer``: one forward of a batch in eval mode under ``torch.inference_mode()``;
 * ``train``: one training step in train mode (dropout as the model's defaults, off for timm's
@@ -17,27 +17,36 @@ MiTA approximates attention, so the outputs differ; what is checked is that they
 
 from __future__ import annotations
 
+import argparse
 import copy
-import csv
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..benchmarks.timing import alternating_rounds
-from ..utils.files import atomic_write, atomic_write_text
-from ..utils.machine import describe
-from .flops import markdown_table
+from mita.utils.options import parse_assignments, split_items
+
+from .bench import prepare_out_dir
+from .models import OnRound, add_common_arguments, progress, side_by_side, write_results
+from .report import command_line
+from .timing import torch_threads
 
 MODELS = ("deit_small_patch16_224", "deit_tiny_patch16_224")
 MODES = ("infer", "train")
 BASELINE = "timm"  # the unconverted model's name in the rows
-REPORT, CSV = "report.md", "results.csv"
 LR, WEIGHT_DECAY = 5e-4, 0.05  # DeiT's AdamW; the values do not change the time of a step
+HELP = "a whole timm ViT converted to MiTA against itself unconverted: images/s, steps/s"
+METHOD = (
+    "Random weights, float32, {threads} torch threads. Each round times one call of each model, "
+    "alternating, after one warm-up call each; the seconds are the median over the rounds and the "
+    "speed-up is over the unconverted model measured in the same process. infer: a forward in eval "
+    "mode under torch.inference_mode(); train: forward, cross-entropy, backward and an AdamW step. "
+    "finite: that model's output (the logits, or the loss) has no NaN or infinity; MiTA "
+    "approximates attention, so the two outputs are not compared."
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +167,7 @@ def measure(
     rounds: int,
     *,
     model_kwargs: dict[str, Any] | None = None,
-    on_round: Callable[[int, dict[str, float]], None] | None = None,
+    on_round: OnRound | None = None,
 ) -> list[dict[str, Any]]:
     """The rows of one model, size and mode: the unconverted model first, then MiTA.
 
@@ -175,98 +184,62 @@ def measure(
     models = variants(name, size, model_kwargs or {})
     gen = torch.Generator().manual_seed(1)
     images = torch.randn(size.batch, 3, size.image, size.image, generator=gen)
-    num_classes = models[BASELINE].num_classes
-    labels = torch.randint(0, num_classes, (size.batch,), generator=gen)
+    labels = torch.randint(0, models[BASELINE].num_classes, (size.batch,), generator=gen)
     make = inference_call if mode == "infer" else lambda m, x: training_call(m, x, labels)
-    measured = alternating_rounds({v: make(m, images) for v, m in models.items()}, rounds, on_round=on_round)
-    base = measured.median(BASELINE)
+    timed = side_by_side({v: make(m, images) for v, m in models.items()}, rounds, BASELINE, on_round)
     grid = models[BASELINE].patch_embed.grid_size
     tokens = grid[0] * grid[1] + int(getattr(models[BASELINE], "num_prefix_tokens", 0))
-    rows = []
-    for variant in models:
-        median = measured.median(variant)
-        rows.append(
-            {
-                "model": name,
-                "px": size.image,
-                "N": tokens,
-                "batch": size.batch,
-                "mode": mode,
-                "attention": variant if variant == BASELINE else f"mita m={size.landmarks} k={size.topk}",
-                "seconds (median)": median,
-                "images/s": size.batch / median,
-                "steps/s": 1 / median if mode == "train" else "",
-                "speed-up": base / median,
-                "rounds": rounds,
-                "finite": bool(torch.isfinite(measured.outputs[variant]).all()),
-            }
-        )
-    return rows
-
-
-def run(
-    models: Sequence[str],
-    sizes: Sequence[Size],
-    modes: Sequence[str],
-    rounds: int,
-    *,
-    model_kwargs: dict[str, Any] | None = None,
-    progress: bool = True,
-) -> list[dict[str, Any]]:
-    """Every model x size x mode (:func:`measure`), with a progress bar over the timed rounds; each row
-    also carries the machine line."""
-    from tqdm import tqdm
-
-    tasks = [(name, size, mode) for name in models for size in sizes for mode in modes]
-    rows = []
-    machine = describe()
-    with tqdm(total=len(tasks) * rounds, desc="mita vision bench", unit="round", disable=not progress) as bar:
-        for name, size, mode in tasks:
-            bar.set_description(f"{name} {size.image} px {mode}")
-
-            def advance(r: int, seconds: dict[str, float]) -> None:
-                bar.set_postfix({v: f"{t:.2f} s" for v, t in seconds.items()})
-                bar.update()
-
-            rows += [
-                {**row, "machine": machine}
-                for row in measure(name, size, mode, rounds, model_kwargs=model_kwargs, on_round=advance)
-            ]
-    return rows
-
-
-def report(rows: Iterable[dict[str, Any]], command: str, threads: int) -> str:
-    """The Markdown report: what was measured, the command, the machine, the table (without the machine column)."""
-    rates = ("images/s", "steps/s")  # 3 significant digits: a training step at 512 px is well under 1/s on a CPU
-    rows = [
-        {k: f"{v:.3g}" if k in rates and isinstance(v, float) else v for k, v in row.items() if k != "machine"}
-        for row in rows
+    return [
+        {
+            "model": name,
+            "px": size.image,
+            "N": tokens,
+            "batch": size.batch,
+            "mode": mode,
+            "attention": variant if variant == BASELINE else f"mita m={size.landmarks} k={size.topk}",
+            "seconds (median)": t["median"],
+            "images/s": size.batch / t["median"],
+            "steps/s": 1 / t["median"] if mode == "train" else "",
+            "speed-up": t["speed-up"],
+            "rounds": rounds,
+            "finite": t["finite"],
+        }
+        for variant, t in timed.items()
     ]
-    return "\n".join(
-        [
-            "# Whole-model speed: timm DeiT converted to MiTA vs unconverted",
-            "",
-            f"Command: `{command}`",
-            "",
-            f"Machine: {describe()}",
-            "",
-            f"Random weights, float32, {threads} torch threads. Each round times one call of each model, "
-            "alternating, after one warm-up call each; the seconds are the median over the rounds and the "
-            "speed-up is over the unconverted model measured in the same process. infer: a forward in eval "
-            "mode under torch.inference_mode(); train: forward, cross-entropy, backward and an AdamW step. "
-            "finite: that model's output (the logits, or the loss) has no NaN or infinity; MiTA "
-            "approximates attention, so the two outputs are not compared.",
-            "",
-            markdown_table(rows),
-        ]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``mita bench vit``."""
+    p.add_argument("--models", nargs="+", default=list(MODELS), help="timm ViT names")
+    p.add_argument(
+        "--sizes",
+        nargs="+",
+        default=[str(s) for s in SIZES],
+        metavar="PX:BATCH:M[:K]",
+        help="image size, batch, MiTA landmarks m (a square) and keys k (default k = m)",
     )
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="infer: a forward; train: a step")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds (one call of each model per round)")
+    p.add_argument("--model-args", help="extra create_model options for every model, e.g. 'depth=2'")
+    add_common_arguments(p)
 
 
-def write_outputs(out: Path, rows: list[dict[str, Any]], command: str, threads: int) -> tuple[Path, Path]:
-    """``out/report.md`` and ``out/results.csv`` (one row per model x size x mode x attention), written atomically."""
-    atomic_write_text(out / REPORT, report(rows, command, threads))
-    with atomic_write(out / CSV, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    return out / REPORT, out / CSV
+def run(args: argparse.Namespace) -> int:
+    """Every model x size x mode side by side; results.csv and results.md in ``--out``."""
+    sizes = [parse_size(text) for text in args.sizes]
+    kwargs = parse_assignments(split_items(args.model_args or ""), "--model-args")
+    check_settings(args.models, sizes, args.modes, args.rounds, kwargs)
+    with torch_threads(args.threads):
+        out = prepare_out_dir(args.out, force=args.force, resume=False)
+        tasks = [(name, size, mode) for name in args.models for size in sizes for mode in args.modes]
+        bar, advance = progress(len(tasks) * args.rounds, "mita bench vit")
+        rows = []
+        with bar:
+            for name, size, mode in tasks:
+                bar.set_description(f"{name} {size.image} px {mode}")
+                rows += measure(name, size, mode, args.rounds, model_kwargs=kwargs, on_round=advance)
+        title = "Whole-model speed: timm ViTs converted to MiTA vs unconverted"
+        report = write_results(out, rows, title, METHOD.format(threads=torch.get_num_threads()), command_line(args))
+    print(report.read_text())
+    print(f"mita bench vit: results in {out}/ (results.csv, results.md)")
+    return 0
