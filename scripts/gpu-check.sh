@@ -13,5 +13,5 @@ export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -m pytest -q -p no:cacheprovider tests/test_mita_triton.py tests/test_mita_cuda.py
 "$PY" -m pytest -q -p no:cacheprovider tests/test_mita_op.py tests/test_ops.py tests/test_mita_masks_grids.py -k cuda
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
-"$PY" -m mita.cli bench --preset gpu --device cuda --out "$OUT" --force
+"$PY" -m mita_experiments bench --preset gpu --device cuda --out "$OUT" --force
 echo "gpu-check: tests passed; benchmark table in $OUT/results.md"

@@ -125,14 +125,16 @@ def test_torchrun_two_processes_with_amp(image_folder, tmp_path):
     out = tmp_path / "ddp"
     launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2"]
     launch += ["--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "mita_experiments"]
-    train = args(image_folder, out, "--amp", "--stop-after", "2")  # an epoch of 2 steps and its evaluation
+    train = args(image_folder, out, "--amp")  # one epoch of 2 steps, its evaluation, best.pt read by both ranks
     train[train.index("--workers") + 1] = "1"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([*launch, *train], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads((out / "summary.json").read_text())["step"] == 2  # 8 images, 2 processes x 2 a step
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["step"] == 4 and summary["finished"]  # 8 images, 2 processes x 2 a step, 2 epochs
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["split"]) for r in rows] == [(2, "val")]
+    assert [(r["step"], r["split"]) for r in rows if r["split"] == "val"] == [(2, "val"), (4, "val")]
+    assert (out / "model.safetensors").exists()
     state = torch.load(out / "checkpoint.pt", weights_only=True)
     assert state["world_size"] == 2 and state["config"]["train"]["precision"] == "bf16"
 

@@ -16,7 +16,8 @@ import torch
 
 from mita import attention as registry
 
-from ..lra.config import TASKS, check_model, load_config
+from ..lra.cli import add_config_arguments
+from ..lra.config import check_model, load_config
 from ..lra.train import speed
 from ..utils.distributed import parse_device
 from .bench import prepare_out_dir
@@ -36,16 +37,7 @@ METHOD = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``mita bench lra``."""
-    p.add_argument("--task", required=True, choices=TASKS)
-    p.add_argument("--variant", default="cpu", help="named configuration: lra, small or cpu (default cpu)")
-    p.add_argument("--config", help="a JSON configuration file instead of the packaged one")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one configuration value, e.g. model.dim=64 (repeatable)",
-    )
+    add_config_arguments(p, data=False)
     p.add_argument("--methods", nargs="+", default=["sdpa", "mita"], metavar="CONFIG", help="attentions to time")
     p.add_argument("--lengths", type=int, nargs="+", required=True, metavar="N", help="sequence lengths")
     p.add_argument("--modes", nargs="+", default=["train"], choices=list(MODES), help="train: a step; infer: a forward")
@@ -66,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     for attention in args.methods:
         registry.resolve(attention)  # the registry's error names an unknown method or option
     parse_device(args.device)
-    config = load_config(args.task, args.variant, args.set, args.config)
+    config = load_config(args.task, args.variant or "cpu", args.set, args.config)
     check_model(config["model"])
     with torch_threads(args.threads):
         out = prepare_out_dir(args.out, force=args.force, resume=False)

@@ -128,7 +128,8 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _common(p: argparse.ArgumentParser, data: bool = True) -> None:
+def add_config_arguments(p: argparse.ArgumentParser, data: bool = True) -> None:
+    """The LRA configuration flags (--task, --variant, --config, --set; --data if ``data``); ``mita bench lra`` too."""
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--variant", help="named configuration: lra, small or cpu (default cpu; on --resume the run's)")
     p.add_argument("--config", help="a JSON configuration file instead of the packaged one")
@@ -153,7 +154,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     lra = p.add_subparsers(dest="lra_command", required=True, metavar="SUBCOMMAND")
 
     g = lra.add_parser("generate", help="write generated ListOps / Pathfinder / Path-X data in the LRA layout")
-    _common(g, data=False)
+    add_config_arguments(g, data=False)
     add_out(g, "output folder", required=True)
     g.add_argument("--grid", help="also write a PNG grid of examples here (Pathfinder)")
     g.add_argument("--workers", type=_positive_int, default=1, help="processes for Pathfinder (default 1)")
@@ -161,7 +162,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.set_defaults(func=cmd_generate)
 
     t = lra.add_parser("train", help="train a model (resumable; DDP under torchrun)")
-    _common(t)
+    add_config_arguments(t)
     t.add_argument(
         "--attention", help="registered attention or config, e.g. 'mita:topk=32' (default: sdpa; on --resume the run's)"
     )
@@ -170,7 +171,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=cmd_train)
 
     e = lra.add_parser("eval", help="evaluate a checkpoint, optionally with another attention or m, k, s")
-    _common(e)
+    add_config_arguments(e)
     e.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if available)")
     e.add_argument("--checkpoint", required=True, help="a run folder (its best.pt), a .pt or a model.safetensors file")
     e.add_argument("--attention", help="evaluate with this attention instead of the trained one (swap)")

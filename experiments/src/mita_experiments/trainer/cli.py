@@ -36,8 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="continue the run in --out from its checkpoint, with its own config and attention "
-        "(train.steps and the eval/checkpoint/log cadence may change with --set)",
+        help="continue the run in --out from its checkpoint, with its own configuration and attention "
+        "(what may change on resume: see the command's description)",
     )
     add_force(parser, "start over in an --out that holds a run or other files (run files replaced, others kept)")
     parser.add_argument(

@@ -575,6 +575,7 @@ def train(
             weights, weights_step = eval_model.state_dict(), step
             if best > -math.inf:
                 live = {k: v.clone() for k, v in weights.items()}
+                ctx.barrier()  # rank 0 wrote best.pt; every rank reads it
                 best_state = load_checkpoint(run_dir / rf.BEST)
                 weights, weights_step = best_state["model"], best_state["step"]
                 eval_model.load_state_dict(weights)
