@@ -136,3 +136,13 @@ def test_numbers_below_one_are_refused_at_parse_time(capsys):
             load_config("listops", "cpu", [f"train.{key}=0"])
     with pytest.raises(SystemExit):
         main(["lra", "eval", "--task", "listops", "--data", "d", "--checkpoint", "c", "--batch-size", "0"])
+
+
+def test_null_in_a_message_is_a_value_set_accepts(tmp_path, capsys):
+    """Issue 25 item 16: messages say "or null"; --set takes null (and None) for it."""
+    assert options.parse_value("null") is None and options.parse_value("None") is None
+    assert options.parse_value("true") is True and options.parse_value("'null'") == "null"
+    from mita_experiments.trainer.config import check_train
+
+    train = {"steps": 2, "batch_size": 2, "lr": 1e-3, "grad_clip": options.parse_value("null")}
+    assert check_train(train)["grad_clip"] is None

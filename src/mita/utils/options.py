@@ -15,9 +15,15 @@ from typing import Any
 __all__ = ["apply_assignments", "parse_assignment", "parse_assignments", "parse_config", "parse_value", "split_items"]
 
 
+#: the JSON spellings of None, True and False: configurations are JSON files, so --set takes them too
+JSON_LITERALS = {"null": None, "true": True, "false": False}
+
+
 def parse_value(text: str) -> Any:
-    """``text`` as a Python literal if it is one, else the stripped string."""
+    """``text`` as a Python literal (or JSON's ``null``, ``true``, ``false``) if it is one, else the stripped string."""
     text = text.strip()
+    if text in JSON_LITERALS:
+        return JSON_LITERALS[text]
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
