@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,15 +65,6 @@ def lra_task(config: Mapping[str, Any], data: TaskData, attention: Any) -> train
     )
 
 
-def _same_attention(a: Any, b: Any) -> bool:
-    from mita.attention import parse
-
-    try:
-        return parse(a) == parse(b)
-    except (TypeError, ValueError):
-        return a == b
-
-
 def train(
     config: Mapping[str, Any],
     data: TaskData,
@@ -93,13 +84,7 @@ def train(
         options: the keyword arguments of :func:`mita_experiments.trainer.train` (resume,
             force, stop_after, time_limit, progress, tensorboard, ctx).
     """
-    run = None
-    if options.get("resume") and (Path(run_dir) / trainer.MANIFEST).is_file():
-        run = trainer.read_manifest(run_dir)["identity"].get("attention")
-    if attention is None:
-        attention = run if run is not None else "sdpa"
-    elif run is not None and _same_attention(attention, run):
-        attention = run
+    attention = trainer.run_attention(run_dir, attention, bool(options.get("resume")))
     return trainer.train(lra_task(config, data, attention), config, run_dir, **options)
 
 
@@ -121,6 +106,8 @@ def evaluate_checkpoint(
     split: str = "test",
     batch_size: int | None = None,
     ctx: Dist | None = None,
+    build: Callable[..., torch.nn.Module] = build_model,
+    score: Callable[..., trainer.Scores] = scores,
 ) -> dict[str, Any]:
     """Loss, accuracy and throughput of a checkpoint on ``split``.
 
@@ -132,6 +119,7 @@ def evaluate_checkpoint(
         split: "train", "val" or "test" (default "test").
         batch_size: samples per forward (default: the run's eval batch size).
         ctx: this process's place in a DDP run (default: :func:`init_distributed`).
+        build, score: the task's model builder and scores (default LRA's; recall passes its own).
 
     The weights must fit the model the checkpoint's config describes exactly: missing or
     unexpected keys and other shapes are a ValueError naming them.
@@ -149,14 +137,14 @@ def evaluate_checkpoint(
     check_model(state["config"]["model"])
     trained = state["identity"].get("attention")
     used = attention if attention is not None else trained
-    model = build_model(state["config"], meta, used).to(ctx.device)
+    model = build(state["config"], meta, used).to(ctx.device)
     trainer.load_model_state(model, state["model"], path)
     if options:
         set_attention_options(model, **options)
     tc = trainer.check_train(state["config"]["train"])
     precision = "fp32" if tc["precision"] == "fp16" and ctx.device.type != "cuda" else tc["precision"]
     size = batch_size or tc["eval_batch_size"] or tc["batch_size"]
-    res = trainer.evaluate(model, data.splits[split], scores, size, ctx, precision)
+    res = trainer.evaluate(model, data.splits[split], score, size, ctx, precision)
     return {
         "checkpoint": str(path),
         "step": state["step"],

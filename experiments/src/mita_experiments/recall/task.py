@@ -24,10 +24,11 @@ from typing import Any
 import torch
 
 from .. import trainer
-from ..lra.config import check_model, load_config
-from ..lra.data.loaders import META, Split, TaskData
-from ..lra.models import Classifier, set_attention_options
-from ..utils.distributed import Dist, init_distributed
+from ..lra import train as lra_train
+from ..lra.config import load_config
+from ..lra.data.loaders import Split, TaskData
+from ..lra.models import Classifier
+from ..utils.distributed import Dist
 from . import data as gen
 
 DATA_KEYS = ("seq_len", "num_pairs", "vocab_size", "form")
@@ -142,15 +143,6 @@ def recall_task(config: Mapping[str, Any], data: TaskData, attention: Any) -> tr
     )
 
 
-def _same_attention(a: Any, b: Any) -> bool:
-    from mita.attention import parse
-
-    try:
-        return parse(a) == parse(b)
-    except (TypeError, ValueError):
-        return a == b
-
-
 def train(
     config: Mapping[str, Any], data: TaskData, run_dir: str | Path, attention: Any = None, **options: Any
 ) -> dict[str, Any]:
@@ -164,13 +156,7 @@ def train(
             "sdpa"; another one than the run's is refused on resume.
         options: the keyword arguments of :func:`mita_experiments.trainer.train`.
     """
-    run = None
-    if options.get("resume") and (Path(run_dir) / trainer.MANIFEST).is_file():
-        run = trainer.read_manifest(run_dir)["identity"].get("attention")
-    if attention is None:
-        attention = run if run is not None else "sdpa"
-    elif run is not None and _same_attention(attention, run):
-        attention = run
+    attention = trainer.run_attention(run_dir, attention, bool(options.get("resume")))
     return trainer.train(recall_task(config, data, attention), config, run_dir, **options)
 
 
@@ -199,32 +185,9 @@ def evaluate_checkpoint(
     path = trainer.resolve_checkpoint(path)
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
-    ctx = ctx or init_distributed()
-    state = trainer.read_checkpoint(path)
     if not isinstance(data, TaskData):
-        data = task_data({**state["config"]["data"], "train_lengths": []} if data else state["config"]["data"], data)
-    if split not in data.splits:
-        raise ValueError(f"split must be one of {list(data.splits)}, got {split!r}")
-    meta = {k: state["data"].get(k) for k in META}
-    if meta != data.meta:
-        raise ValueError(f"checkpoint {path} was trained on data {meta}, not {data.meta}")
-    check_model(state["config"]["model"])
-    trained = state["identity"].get("attention")
-    used = attention if attention is not None else trained
-    model = build_model(state["config"], meta, used).to(ctx.device)
-    trainer.load_model_state(model, state["model"], path)
-    if options:
-        set_attention_options(model, **options)
-    tc = trainer.check_train(state["config"]["train"])
-    precision = "fp32" if tc["precision"] == "fp16" and ctx.device.type != "cuda" else tc["precision"]
-    size = batch_size or tc["eval_batch_size"] or tc["batch_size"]
-    res = trainer.evaluate(model, data.splits[split], scores, size, ctx, precision)
-    return {
-        "checkpoint": str(path),
-        "step": state["step"],
-        "trained_with": trained,
-        "attention": used,
-        "options": options or {},
-        "split": split,
-        **res,
-    }
+        run_data = trainer.read_checkpoint(path)["config"]["data"]
+        data = task_data({**run_data, "train_lengths": []} if data else run_data, data)
+    return lra_train.evaluate_checkpoint(
+        path, data, attention, options, split, batch_size, ctx, build=build_model, score=scores
+    )

@@ -86,6 +86,7 @@ from .run import (
     read_checkpoint,
     read_manifest,
     resolve_checkpoint,
+    run_attention,
 )
 
 __all__ = [
@@ -111,6 +112,7 @@ __all__ = [
     "read_checkpoint",
     "read_manifest",
     "resolve_checkpoint",
+    "run_attention",
     "tensor_digest",
     "train",
 ]

@@ -233,3 +233,24 @@ class Logger:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def run_attention(run_dir: str | Path, attention: Any, resume: bool) -> Any:
+    """The attention a training command uses: on ``resume`` the run's own (given None, or one written
+    differently that parses the same), else ``attention`` or "sdpa". Another one than the run's is
+    left for the trainer's resume check to refuse, naming both."""
+    from mita.attention import parse
+
+    run = None
+    if resume and (Path(run_dir) / MANIFEST).is_file():
+        run = read_manifest(run_dir)["identity"].get("attention")
+    if attention is None:
+        return run if run is not None else "sdpa"
+    if run is not None:
+        try:
+            same = parse(attention) == parse(run)
+        except (TypeError, ValueError):
+            same = attention == run
+        if same:
+            return run
+    return attention
