@@ -256,6 +256,17 @@ def test_autocast_bfloat16_with_float32_inputs(impl: str) -> None:
     torch.testing.assert_close(out.float(), ref, rtol=0.1, atol=0.1)
 
 
+@pytest.mark.parametrize("impl", ["auto", "grouped", "reference"])
+def test_autocast_keeps_float64_like_sdpa(impl: str) -> None:
+    """Autocast casts float32 and float16 inputs, never float64 ones (issue 25, item 14)."""
+    q, k, v = qkv(dtype=torch.float64)
+    with torch.autocast("cpu", torch.bfloat16):
+        out = mita_attention(q, k, v, num_landmarks=3, topk=4, impl=impl)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert out.dtype == sdpa.dtype == torch.float64
+    torch.testing.assert_close(out, mita_attention(q, k, v, num_landmarks=3, topk=4, impl="reference"))
+
+
 def test_float16_reference_does_not_overflow() -> None:
     q, k, v = (40 * t for t in qkv(Nq=16, Nk=16, D=64, dtype=torch.float32))  # q . k ~ 1e5 > float16's max
     outs = {impl: mita_attention(q.half(), k.half(), v.half(), num_landmarks=2, topk=4, impl=impl) for impl in IMPLS}

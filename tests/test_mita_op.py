@@ -397,7 +397,7 @@ def test_bad_input_errors(name: str) -> None:
 def test_prefix_only_real_tokens_error() -> None:
     mask = torch.ones(2, 16, dtype=torch.bool)
     mask[1, 2:] = False
-    with pytest.raises(ValueError, match="no real query after the 2 prefix tokens"):
+    with pytest.raises(ValueError, match="no real query besides the 2 prefix and 0 suffix tokens"):
         mita_attention(Q, KV, KV, **GOOD, num_prefix_tokens=2, key_padding_mask=mask)
 
 

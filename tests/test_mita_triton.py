@@ -31,6 +31,9 @@ CASES = {
     "cross_both_masks": (2, 2, 2, 21, 34, 16, {"num_landmarks": 3, "topk": 5, "key_mask": 20, "query_mask": 15}),
     "grid3d_prefix": (1, 2, 2, 2 + 2 * 3 * 4, 2 + 2 * 3 * 4, 16, {"grid": (2, 3, 4), "num_prefix_tokens": 2,
                                                                    "num_landmarks": (1, 2, 2), "topk": 7}),
+    "grid2d_prefix_suffix": (1, 2, 2, 1 + 3 * 4 + 4, 1 + 3 * 4 + 4, 16, {"grid": (3, 4), "num_prefix_tokens": 1,
+                                                                       "num_suffix_tokens": 4, "num_landmarks": 4,
+                                                                       "topk": 6}),
 }  # fmt: skip
 
 

@@ -26,6 +26,7 @@ def _prepare(
     num_agents,
     grid,
     num_prefix_tokens,
+    num_suffix_tokens,
     key_padding_mask,
     query_padding_mask,
     dropout_p,
@@ -53,7 +54,10 @@ def _prepare(
     q, k, v = zero_padding(q, k, v, cfg)
     B, H, Nq, D = q.shape
     if agents is None:
-        agents = pool_fn(q, check_pooling(num_agents, grid, num_prefix_tokens, Nq, name="num_agents"), cfg.query_mask)
+        pooling = check_pooling(
+            num_agents, grid, num_prefix_tokens, Nq, num_suffix_tokens=num_suffix_tokens, name="num_agents"
+        )
+        agents = pool_fn(q, pooling, cfg.query_mask)
     elif (
         not isinstance(agents, torch.Tensor) or agents.dim() != 4 or agents.shape[:2] != (B, H) or agents.shape[3] != D
     ):
@@ -100,6 +104,7 @@ def agent_attention_reference(
     num_agents: int | tuple[int, int],
     grid: tuple[int, int] | None = None,
     num_prefix_tokens: int = 0,
+    num_suffix_tokens: int = 0,
     key_padding_mask: torch.Tensor | None = None,
     query_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
@@ -116,6 +121,7 @@ def agent_attention_reference(
         num_agents,
         grid,
         num_prefix_tokens,
+        num_suffix_tokens,
         key_padding_mask,
         query_padding_mask,
         dropout_p,
@@ -137,6 +143,7 @@ def agent_attention(
     num_agents: int | tuple[int, int],
     grid: tuple[int, int] | None = None,
     num_prefix_tokens: int = 0,
+    num_suffix_tokens: int = 0,
     key_padding_mask: torch.Tensor | None = None,
     query_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
@@ -154,6 +161,7 @@ def agent_attention(
         num_agents (int | tuple): n; with a grid, (nh, nw) / a perfect square, or (nt, nh, nw) / a perfect cube.
         grid (tuple | None): (gh, gw) or (gt, gh, gw) layout of the pooled tokens; None pools in 1-D. Default: None.
         num_prefix_tokens (int): leading tokens (CLS) that attend but are not pooled into agents. Default: 0.
+        num_suffix_tokens (int): trailing tokens (registers) that attend but are not pooled. Default: 0.
         key_padding_mask (torch.Tensor | None): bool (B, Nk), True = real key. Default: None.
         query_padding_mask (torch.Tensor | None): bool (B, Nq), True = real query. Default: None, which
             in a call with Nq == Nk (self-attention) means the key mask.
@@ -175,6 +183,7 @@ def agent_attention(
         num_agents,
         grid,
         num_prefix_tokens,
+        num_suffix_tokens,
         key_padding_mask,
         query_padding_mask,
         dropout_p,

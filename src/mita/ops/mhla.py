@@ -12,11 +12,11 @@ M[c, b] = cos(pi/4 d(c, b) / max d) / sum_c' cos(pi/4 d(c', b) / max d) (each bl
 spread with total weight 1), learned by the layer (:class:`mita.layers.mhla.MHLAAttention`);
 this op takes M as an argument, that matrix if not given.
 
-The blocks: the tokens after ``num_prefix_tokens`` on ``grid`` ((gh, gw): (mh, mw) blocks of
+The blocks: the tokens between ``num_prefix_tokens`` and ``num_suffix_tokens`` on ``grid`` ((gh, gw): (mh, mw) blocks of
 consecutive rows and columns, the authors' 4 x 4 windows on 16 x 16 patches; a 3-D grid alike)
 or, with ``grid=None``, m runs of consecutive real tokens (token of rank r among n goes to
 block floor(r m / n)). Queries and keys are blocked alike, each over its own real tokens.
-Prefix tokens (CLS) belong to no block: as keys their summary is added to every block's
+Prefix and suffix tokens (CLS, registers) belong to no block: as keys their summary is added to every block's
 mixture, as queries they read all summaries (unnormalised linear attention over everything).
 With one block every query reads everything: linear attention without normaliser.
 Compression into m linear experts, routed by position (spec section 5). The reference forms
@@ -49,31 +49,32 @@ def block_mixing(shape: tuple[int, ...], device=None, dtype=None) -> torch.Tenso
 
 
 def assign_blocks(n: int, pooling: Pooling, mask: torch.Tensor | None, batch: int, device) -> torch.Tensor:
-    """Each token's block (B, n), -1 for the prefix tokens, -2 for padded tokens."""
-    p, m = pooling.num_prefix_tokens, pooling.m
+    """Each token's block (B, n), -1 for the prefix and suffix tokens, -2 for padded tokens."""
+    p, s, m, span = pooling.num_prefix_tokens, pooling.num_suffix_tokens, pooling.m, pooling.span(n)
     real = torch.ones(batch, n, dtype=torch.bool, device=device) if mask is None else mask
     if pooling.grid is None:
-        rank = real[:, p:].cumsum(1) - 1
-        count = real[:, p:].sum(1, keepdim=True).clamp(min=1)
+        rank = real[:, span].cumsum(1) - 1
+        count = real[:, span].sum(1, keepdim=True).clamp(min=1)
         inner = rank * m // count
     else:
-        coords = torch.unravel_index(torch.arange(n - p, device=device), pooling.grid)
-        inner = torch.zeros(n - p, dtype=torch.long, device=device)
-        for c, g, s in zip(coords, pooling.grid, pooling.shape):
-            inner = inner * s + c * s // g
+        coords = torch.unravel_index(torch.arange(n - p - s, device=device), pooling.grid)
+        inner = torch.zeros(n - p - s, dtype=torch.long, device=device)
+        for c, g, b in zip(coords, pooling.grid, pooling.shape):
+            inner = inner * b + c * b // g
         inner = inner.expand(batch, -1)
-    blocks = torch.cat([inner.new_full((batch, p), -1), inner], 1)
+    blocks = torch.cat([inner.new_full((batch, p), -1), inner, inner.new_full((batch, s), -1)], 1)
     return blocks.masked_fill(~real, -2)
 
 
-def _check(q, k, v, num_blocks, grid, num_prefix_tokens, mixing, key_padding_mask, query_padding_mask, dropout_p):
+def _check(q, k, v, num_blocks, grid, ends, mixing, key_padding_mask, query_padding_mask, dropout_p):
     """Checked arguments, the features, v, each token's block (queries and keys), the mixing (m, m) and the
     block layout."""
     cfg, q, k, v = check_linear("MHLA", q, k, v, key_padding_mask, query_padding_mask, dropout_p)
     B = q.shape[0]
-    pooling = check_pooling(num_blocks, grid, num_prefix_tokens, q.shape[2], name="num_blocks")
+    prefix, suffix = ends  # the unblocked tokens at either end
+    pooling = check_pooling(num_blocks, grid, prefix, q.shape[2], num_suffix_tokens=suffix, name="num_blocks")
     if k.shape[2] != q.shape[2]:  # the keys are blocked alike: the same layout must fit them
-        check_pooling(num_blocks, grid, num_prefix_tokens, k.shape[2], name="num_blocks")
+        check_pooling(num_blocks, grid, prefix, k.shape[2], num_suffix_tokens=suffix, name="num_blocks")
     m = pooling.m
     if mixing is None:
         mixing = block_mixing(pooling.shape, q.device, q.dtype)
@@ -95,15 +96,25 @@ def mhla_attention_reference(
     num_blocks: int | tuple[int, ...] = 16,
     grid: tuple[int, ...] | None = None,
     num_prefix_tokens: int = 0,
+    num_suffix_tokens: int = 0,
     mixing: torch.Tensor | None = None,
     key_padding_mask: torch.Tensor | None = None,
     query_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """The matrix form: A_ij = phi(q_i) . phi(k_j) C_ij with C_ij = M[block(i), block(j)] (1 where either is a
-    prefix token, 0 for a padded key), out = A V."""
+    prefix or suffix token, 0 for a padded key), out = A V."""
     cfg, qf, kf, v32, qb, kb, mixing, _ = _check(
-        q, k, v, num_blocks, grid, num_prefix_tokens, mixing, key_padding_mask, query_padding_mask, dropout_p
+        q,
+        k,
+        v,
+        num_blocks,
+        grid,
+        (num_prefix_tokens, num_suffix_tokens),
+        mixing,
+        key_padding_mask,
+        query_padding_mask,
+        dropout_p,
     )
     G = q.shape[1] // k.shape[1]
     qi, kj = qb[:, :, None], kb[:, None, :]  # (B, Nq, 1), (B, 1, Nk)
@@ -116,7 +127,7 @@ def mhla_attention_reference(
 def block_capacity(pooling: Pooling, n: int) -> int:
     """An upper bound on the tokens of one block of n tokens: ceil(L / m) in 1-D, the product of ceil(g / s)."""
     if pooling.grid is None:
-        return max(1, -(-(n - pooling.num_prefix_tokens) // pooling.m))
+        return max(1, -(-(n - pooling.num_prefix_tokens - pooling.num_suffix_tokens) // pooling.m))
     return math.prod(-(-g // s) for g, s in zip(pooling.grid, pooling.shape))
 
 
@@ -149,6 +160,7 @@ def mhla_attention(
     num_blocks: int | tuple[int, ...] = 16,
     grid: tuple[int, ...] | None = None,
     num_prefix_tokens: int = 0,
+    num_suffix_tokens: int = 0,
     mixing: torch.Tensor | None = None,
     key_padding_mask: torch.Tensor | None = None,
     query_padding_mask: torch.Tensor | None = None,
@@ -165,6 +177,7 @@ def mhla_attention(
         grid (tuple | None): (gh, gw) or (gt, gh, gw) layout of the tokens after the prefix (both q's and k's);
             None blocks runs of the sequence. Default: None.
         num_prefix_tokens (int): leading tokens (CLS) in no block. Default: 0.
+        num_suffix_tokens (int): trailing tokens (registers) in no block. Default: 0.
         mixing (torch.Tensor | None): M (m, m), the weight of block b's summary for the queries of block c
             at [c, b]. Default: None, the authors' cosine initialisation (:func:`block_mixing`).
         key_padding_mask (torch.Tensor | None): bool (B, Nk), True = real key. Default: None.
@@ -176,20 +189,31 @@ def mhla_attention(
         The output of shape (B, H, Nq, D) and q's dtype; rows of padded queries are zero.
     """
     cfg, qf, kf, v32, qb, kb, mixing, pooling = _check(
-        q, k, v, num_blocks, grid, num_prefix_tokens, mixing, key_padding_mask, query_padding_mask, dropout_p
+        q,
+        k,
+        v,
+        num_blocks,
+        grid,
+        (num_prefix_tokens, num_suffix_tokens),
+        mixing,
+        key_padding_mask,
+        query_padding_mask,
+        dropout_p,
     )
     B, H, Nq, _ = q.shape
-    Hkv, Dv, m, p = k.shape[1], v.shape[3], mixing.shape[0], num_prefix_tokens
+    Hkv, Dv, m = k.shape[1], v.shape[3], mixing.shape[0]
     k_slots = _slots(kb, m, block_capacity(pooling, k.shape[2]))
     q_slots = _slots(qb, m, block_capacity(pooling, Nq))
     states = _by_block(kf, k_slots).transpose(-1, -2) @ _by_block(v32, k_slots)  # (B, Hkv, m, D, Dv)
-    shared = kf[:, :, :p].transpose(-1, -2) @ v32[:, :, :p]  # (B, Hkv, D, Dv): the prefix keys' summary
+    p, s, Nk = pooling.num_prefix_tokens, pooling.num_suffix_tokens, k.shape[2]
+    ends = [slice(0, p), slice(Nk - s, Nk)]  # the unblocked keys (prefix and suffix)
+    shared = sum(kf[:, :, e].transpose(-1, -2) @ v32[:, :, e] for e in ends)  # (B, Hkv, D, Dv): their summary
     mixed = torch.einsum("cb,zkbfd->zkcfd", mixing, states) + shared.unsqueeze(2)
     reads = _by_block(qf, q_slots).unflatten(1, (Hkv, H // Hkv)) @ mixed.unsqueeze(2)  # (B, Hkv, G, m, L, Dv)
     index = q_slots.reshape(B, 1, -1, 1).expand(B, H, -1, Dv)  # the fill slots all write row Nq, dropped
     out = qf.new_zeros(B, H, Nq + 1, Dv).scatter(2, index, reads.reshape(B, H, -1, Dv))[:, :, :Nq]
-    everything = (states.sum(2) + shared).repeat_interleave(H // Hkv, dim=1)  # what the prefix queries read
-    out = torch.cat([qf[:, :, :p] @ everything, out[:, :, p:]], 2)
+    everything = (states.sum(2) + shared).repeat_interleave(H // Hkv, dim=1)  # what unblocked queries read
+    out = torch.cat([qf[:, :, :p] @ everything, out[:, :, p : Nq - s], qf[:, :, Nq - s :] @ everything], 2)
     return finish(out, cfg, q.dtype)
 
 

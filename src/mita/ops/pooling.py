@@ -1,6 +1,7 @@
 """Average pooling of tokens into landmarks (MiTA), agents (Agent attention) and segment means (Nyström).
 
-The pooled tokens are those after the first ``num_prefix_tokens``: a sequence (1-D), a
+The pooled tokens are those between the first ``num_prefix_tokens`` and the last
+``num_suffix_tokens`` (CLS and register tokens, at either end, attend but are not pooled): a sequence (1-D), a
 row-major (gh, gw) grid (2-D) or a (gt, gh, gw) grid (3-D, video), pooled with the bin edges
 of ``adaptive_avg_pool1d/2d/3d`` (spec section 2, step 1). With a padding mask each bin
 averages its real tokens; in 1-D the bins are laid over each sequence's real tokens only.
@@ -32,10 +33,15 @@ class Pooling:
     shape: tuple[int, ...]  # bins: (m,) in 1-D, (mh, mw) in 2-D, (mt, mh, mw) in 3-D
     grid: tuple[int, ...] | None  # None (1-D), (gh, gw) or (gt, gh, gw)
     num_prefix_tokens: int = 0
+    num_suffix_tokens: int = 0
 
     @property
     def m(self) -> int:
         return math.prod(self.shape)
+
+    def span(self, n: int) -> slice:
+        """The positions of the pooled tokens in a sequence of n tokens."""
+        return slice(self.num_prefix_tokens, n - self.num_suffix_tokens)
 
 
 def _check_grid(grid: object) -> tuple[int, ...]:
@@ -69,19 +75,26 @@ def _bins(num: object, dims: int, name: str) -> tuple[int, ...]:
 
 
 def check_pooling(
-    num_landmarks: object, grid: object, num_prefix_tokens: object, n: int, *, name: str = "num_landmarks"
+    num_landmarks: object,
+    grid: object,
+    num_prefix_tokens: object,
+    n: int,
+    *,
+    num_suffix_tokens: object = 0,
+    name: str = "num_landmarks",
 ) -> Pooling:
     """Check the pooling arguments for a sequence of n tokens; ``name`` is the op's word for m."""
     prefix = check_int("num_prefix_tokens", num_prefix_tokens, 0, n - 1)
+    suffix = check_int("num_suffix_tokens", num_suffix_tokens, 0, n - 1 - prefix)
     if grid is None:
-        return Pooling((check_int(name, num_landmarks),), None, prefix)
+        return Pooling((check_int(name, num_landmarks),), None, prefix, suffix)
     grid = _check_grid(grid)
-    if math.prod(grid) != n - prefix:
+    if math.prod(grid) != n - prefix - suffix:
         raise ValueError(
-            f"grid={grid} holds {math.prod(grid)} tokens but the sequence has N - num_prefix_tokens = "
-            f"{n - prefix}; pass the patch grid of the pooled tokens"
+            f"grid={grid} holds {math.prod(grid)} tokens but the sequence has N - num_prefix_tokens - "
+            f"num_suffix_tokens = {n - prefix - suffix}; pass the patch grid of the pooled tokens"
         )
-    return Pooling(_bins(num_landmarks, len(grid), name), grid, prefix)
+    return Pooling(_bins(num_landmarks, len(grid), name), grid, prefix, suffix)
 
 
 def _empty_bin(b: object = None) -> ValueError:
@@ -92,10 +105,10 @@ def _empty_bin(b: object = None) -> ValueError:
 def pool_reference(x: torch.Tensor, pooling: Pooling, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Pool x (B, H, N, D) to (B, H, m, D), one sequence at a time; ``mask`` (B, N) marks the real tokens."""
     out = []
-    p, grid = pooling.num_prefix_tokens, pooling.grid
+    span, grid = pooling.span(x.shape[2]), pooling.grid
     for b in range(x.shape[0]):
-        xb = x[b, :, p:]  # (H, L, D)
-        real = None if mask is None else mask[b, p:]
+        xb = x[b, :, span]  # (H, L, D)
+        real = None if mask is None else mask[b, span]
         if grid is None:
             if real is not None:
                 xb = xb[:, real]  # the real tokens only, in order
@@ -133,10 +146,10 @@ def pool_bins(pooling: Pooling, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns (offsets, tokens), int64 CPU tensors: bin i (in the row-major order of the bins)
     holds the token positions ``tokens[offsets[i]:offsets[i + 1]]`` (prefix tokens counted, so
-    positions index the whole sequence), in row-major order: the bins and order of
+    positions index the whole sequence; suffix tokens are in no bin), in row-major order: the bins and order of
     ``adaptive_avg_pool1d/2d/3d``. Cached per shape; callers must not modify them.
     """
-    grid = pooling.grid or (n - pooling.num_prefix_tokens,)
+    grid = pooling.grid or (n - pooling.num_prefix_tokens - pooling.num_suffix_tokens,)
     edges = []
     for g, s in zip(grid, pooling.shape):
         i = torch.arange(s)
@@ -149,10 +162,11 @@ def pool_bins(pooling: Pooling, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def pool(x: torch.Tensor, pooling: Pooling, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Pool x (B, H, N, D) to (B, H, m, D) in O(m N D) per head; ``mask`` (B, N) marks the real tokens."""
-    x = x[:, :, pooling.num_prefix_tokens :]
+    span = pooling.span(x.shape[2])
+    x = x[:, :, span]
     B, H, L, D = x.shape
     m, grid = pooling.m, pooling.grid
-    real = None if mask is None else mask[:, pooling.num_prefix_tokens :]
+    real = None if mask is None else mask[:, span]
     if real is None:
         if grid is None and L % m == 0:
             return x.unflatten(2, (m, L // m)).mean(3)

@@ -7,6 +7,7 @@ linear-memory path (any device, autograd); ``fused.py`` runs C++ kernels on CPU
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Literal, NamedTuple
 
@@ -48,6 +49,7 @@ def mita_attention(
     num_routed: int = 1,
     grid: tuple[int, ...] | None = None,
     num_prefix_tokens: int = 0,
+    num_suffix_tokens: int = 0,
     key_padding_mask: torch.Tensor | None = None,
     query_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
@@ -69,9 +71,11 @@ def mita_attention(
         topk (int): keys per deformable expert, clamped to the number of real keys.
         num_routed (int): s, the experts each query is routed to, 1 <= s <= m. Default: 1.
         grid (tuple | None): the row-major layout of the pooled tokens: None (1-D pooling),
-            (gh, gw) (2-D) or (gt, gh, gw) (3-D, video); its product is Nq - num_prefix_tokens.
-            Default: None.
+            (gh, gw) (2-D) or (gt, gh, gw) (3-D, video); its product is
+            Nq - num_prefix_tokens - num_suffix_tokens. Default: None.
         num_prefix_tokens (int): leading tokens (CLS, registers) that attend but are not pooled.
+            Default: 0.
+        num_suffix_tokens (int): trailing tokens (ViT-5's registers) that attend but are not pooled.
             Default: 0.
         key_padding_mask (torch.Tensor | None): bool (B, Nk), True = real key. Default: None.
         query_padding_mask (torch.Tensor | None): bool (B, Nq), True = real query. If None and
@@ -102,51 +106,30 @@ def mita_attention(
         raise ValueError(f"impl must be one of {['auto', *IMPLEMENTATIONS]}, got {impl!r}")
     dropout_p = check_dropout(dropout_p)
     low = _autocast_dtype(q)
-    if low is not None:  # like SDPA: computed in (and returning) the autocast dtype
-        device_type = q.device.type
-        q, k, v, landmarks = (
-            t.to(low) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v, landmarks)
+    if low is not None:  # like SDPA: computed in the autocast dtype; float64 stays float64
+        q, k, v, landmarks = (_autocast(t, low) for t in (q, k, v, landmarks))
+    with torch.autocast(q.device.type, enabled=False) if low is not None else contextlib.nullcontext():
+        cfg = check(
+            q,
+            k,
+            v,
+            num_landmarks=num_landmarks,
+            topk=topk,
+            num_routed=num_routed,
+            grid=grid,
+            num_prefix_tokens=num_prefix_tokens,
+            num_suffix_tokens=num_suffix_tokens,
+            key_padding_mask=key_padding_mask,
+            query_padding_mask=query_padding_mask,
+            scale=scale,
+            landmark_scale=landmark_scale,
+            landmarks=landmarks,
+            branches=branches,
+            dropout_p=dropout_p,
         )
-        with torch.autocast(device_type, enabled=False):
-            return mita_attention(
-                q,
-                k,
-                v,
-                num_landmarks=num_landmarks,
-                topk=topk,
-                num_routed=num_routed,
-                grid=grid,
-                num_prefix_tokens=num_prefix_tokens,
-                key_padding_mask=key_padding_mask,
-                query_padding_mask=query_padding_mask,
-                scale=scale,
-                landmark_scale=landmark_scale,
-                landmarks=landmarks,
-                dropout_p=dropout_p,
-                branches=branches,
-                return_routing=return_routing,
-                impl=impl,
-            )
-    cfg = check(
-        q,
-        k,
-        v,
-        num_landmarks=num_landmarks,
-        topk=topk,
-        num_routed=num_routed,
-        grid=grid,
-        num_prefix_tokens=num_prefix_tokens,
-        key_padding_mask=key_padding_mask,
-        query_padding_mask=query_padding_mask,
-        scale=scale,
-        landmark_scale=landmark_scale,
-        landmarks=landmarks,
-        branches=branches,
-        dropout_p=dropout_p,
-    )
-    if impl == "auto":
-        impl = _auto(q, cfg, dropout_p)
-    out, routing = IMPLEMENTATIONS[impl](q, k, v, cfg, landmarks=landmarks, dropout_p=dropout_p)
+        if impl == "auto":
+            impl = _auto(q, cfg, dropout_p)
+        out, routing = IMPLEMENTATIONS[impl](q, k, v, cfg, landmarks=landmarks, dropout_p=dropout_p)
     return (out, MiTARouting(*routing)) if return_routing else out
 
 
@@ -164,6 +147,12 @@ def _auto(q: torch.Tensor, cfg: MiTAConfig, dropout_p: float) -> str:
         return "grouped" if reasons else "triton"
     fast = not fused.not_supported_reasons(q, cfg, dropout_p) and fused.available()
     return "fused" if fast else "grouped"
+
+
+def _autocast(t: object, dtype: torch.dtype) -> object:
+    """t cast as autocast casts an op's inputs: floating tensors other than float64 to ``dtype``."""
+    eligible = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+    return t.to(dtype) if eligible else t
 
 
 def _autocast_dtype(q: object) -> torch.dtype | None:

@@ -46,6 +46,10 @@ class MiTAConfig(AttentionArgs):
     def num_prefix_tokens(self) -> int:
         return self.pooling.num_prefix_tokens
 
+    @property
+    def num_suffix_tokens(self) -> int:
+        return self.pooling.num_suffix_tokens
+
 
 def check(
     q: torch.Tensor,
@@ -57,6 +61,7 @@ def check(
     num_routed: int = 1,
     grid: tuple[int, ...] | None = None,
     num_prefix_tokens: int = 0,
+    num_suffix_tokens: int = 0,
     key_padding_mask: torch.Tensor | None = None,
     query_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
@@ -76,7 +81,7 @@ def check(
         scale=scale,
     )
     B, H, Nq, D = q.shape
-    pooling = check_pooling(num_landmarks, grid, num_prefix_tokens, Nq)
+    pooling = check_pooling(num_landmarks, grid, num_prefix_tokens, Nq, num_suffix_tokens=num_suffix_tokens)
     if landmarks is not None:
         if not isinstance(landmarks, torch.Tensor) or landmarks.dim() != 4:
             raise ValueError("landmarks must be a tensor of shape (B, H, m, D)")
@@ -86,15 +91,15 @@ def check(
             raise TypeError(f"landmarks must match q's dtype {q.dtype} and device {q.device}")
         if landmarks.shape[2] < 1:
             raise ValueError("landmarks must hold at least one landmark (m >= 1)")
-        pooling = Pooling((landmarks.shape[2],), None, pooling.num_prefix_tokens)
+        pooling = Pooling((landmarks.shape[2],), None, pooling.num_prefix_tokens, pooling.num_suffix_tokens)
     elif base.query_mask is not None:
-        pooled = base.query_mask[:, pooling.num_prefix_tokens :].any(1)
+        pooled = base.query_mask[:, pooling.span(Nq)].any(1)
 
         def nothing_to_pool() -> ValueError:
             bad = torch.nonzero(~pooled).flatten().tolist() if host_readable(pooled) else "some"
             return ValueError(
-                f"batch element(s) {bad} have no real query after the {pooling.num_prefix_tokens} prefix tokens "
-                "to pool landmarks from"
+                f"batch element(s) {bad} have no real query besides the {pooling.num_prefix_tokens} prefix and "
+                f"{pooling.num_suffix_tokens} suffix tokens to pool landmarks from"
             )
 
         require(pooled, nothing_to_pool)
