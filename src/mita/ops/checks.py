@@ -47,21 +47,33 @@ def require(ok: torch.Tensor, error: Callable[[], Exception]) -> None:
         torch._assert_async(ok.all(), str(error()))
 
 
+#: the largest int an option may take: sizes and indices fit 32 bits in every kernel
+INT_MAX = 2**31 - 1
+
+
 def check_int(name: str, value: object, low: int = 1, high: int | None = None) -> int:
-    """``value`` as a Python int in [low, high]; numpy ints and 0-d integer tensors count, bools do not."""
-    if not isinstance(value, bool) and not (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+    """``value`` as a Python int in [low, high] (high at most :data:`INT_MAX`); numpy ints and 0-d integer
+    tensors count, bools and tensors of other shapes do not."""
+    high = INT_MAX if high is None else min(high, INT_MAX)
+    ok_type = not isinstance(value, bool) and not (
+        isinstance(value, torch.Tensor) and (value.dtype == torch.bool or value.dim() != 0)
+    )
+    if ok_type:
         try:
             n = operator.index(value)
         except TypeError:
             n = None
-        if n is not None and n >= low and (high is None or n <= high):
+        if n is not None and low <= n <= high:
             return n
-    bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        if n is not None and n > high == INT_MAX:
+            raise ValueError(f"{name} must be an int in [{low}, 2**31 - 1], got {value!r}")
+    bounds = f">= {low}" if high == INT_MAX else f"in [{low}, {high}]"
     raise ValueError(f"{name} must be an int {bounds}, got {value!r}")
 
 
-def check_scale(name: str, value: object) -> float | None:
-    """None, or ``value`` as a positive finite float."""
+def check_scale(name: str, value: object, dtype: torch.dtype | None = None) -> float | None:
+    """None, or ``value`` as a positive finite float; with ``dtype`` (q's), also a normal number in the
+    precision the ops compute in (float32 for half precision), so that no path rounds it to 0 or inf."""
     if value is None:
         return None
     if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point():
@@ -70,6 +82,14 @@ def check_scale(name: str, value: object) -> float | None:
         raise TypeError(f"{name} must be a positive float or None, got {type(value).__name__} {value!r}")
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be positive and finite (or None for the default), got {value!r}")
+    if dtype is not None:
+        compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        info = torch.finfo(compute)
+        if not info.tiny <= value <= info.max:
+            raise ValueError(
+                f"{name}={value!r} is outside {compute}'s normal range [{info.tiny:.3g}, {info.max:.3g}], where it "
+                "would round to 0 or inf; scale q or k instead"
+            )
     return float(value)
 
 
@@ -136,7 +156,7 @@ def check_attention(
     if Nq < 1 or Nk < 1:
         raise ValueError(f"empty sequence: q has Nq={Nq} and k has Nk={Nk} tokens; both need at least one")
     check_dropout(dropout_p)
-    s0 = check_scale("scale", scale)
+    s0 = check_scale("scale", scale, q.dtype)
 
     key_mask = query_mask = None
     if key_padding_mask is not None:

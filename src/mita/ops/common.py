@@ -18,6 +18,7 @@ __all__ = [
     "masked_attention",
     "real_keys",
     "softmax_allowed",
+    "topk_indices",
     "zero_padded",
     "zero_padding",
 ]
@@ -70,6 +71,22 @@ def key_mask_of(cfg: AttentionArgs, k: torch.Tensor) -> torch.Tensor:
     if cfg.key_mask is not None:
         return cfg.key_mask
     return torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
+
+
+def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest entries along the last dim, largest first, equal values by lower index.
+
+    ``torch.topk`` leaves the choice among equal values unspecified (it differs by device and
+    size); this is the rule of the fused CPU and Triton kernels, so that every path picks the same
+    keys when keys repeat (padding, identical tokens). Cost: two top-k passes and a sort of k.
+    """
+    kth = x.topk(k, dim=-1).values[..., -1:]
+    above, tied = x > kth, x == kth
+    take = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
+    lower_first = torch.arange(x.shape[-1], 0, -1, device=x.device)  # distinct, larger for lower indices
+    idx = (take * lower_first).topk(k, dim=-1).indices  # the taken entries, by ascending index
+    order = x.gather(-1, idx).argsort(dim=-1, descending=True, stable=True)
+    return idx.gather(-1, order)
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -65,7 +65,9 @@ class TileAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, real, out, lse, keep = ctx.saved_tensors
-        p = torch.exp(TileAttention._scores(q, k, real, ctx.scale, ctx.acc) - lse.unsqueeze(-1))
+        # A probability is at most 1: the clamp keeps it so where rounding puts a score above the lse
+        # (by up to half an ulp of it, which overflows exp once the logits pass 2**31 in float32).
+        p = torch.exp((TileAttention._scores(q, k, real, ctx.scale, ctx.acc) - lse.unsqueeze(-1)).clamp(max=0))
         dout = torch.zeros_like(out) if dout is None else dout
         dp = torch.bmm(dout, v.transpose(1, 2)).to(p.dtype)  # gradient w.r.t. the (dropped) probabilities
         p_used = p if keep is None else p * keep / (1 - ctx.dropout_p)

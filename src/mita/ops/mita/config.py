@@ -108,7 +108,7 @@ def check(
     num_routed = check_int("num_routed", num_routed, 1, m)
     if branches not in ("both", "shared", "routed"):
         raise ValueError(f"branches must be 'both', 'shared' or 'routed', got {branches!r}")
-    ls = check_scale("landmark_scale", landmark_scale)
+    ls = check_scale("landmark_scale", landmark_scale, q.dtype)
     n_real = n_real_min = k.shape[2]
     if base.key_mask is not None:
         if host_readable(base.key_mask):

@@ -94,8 +94,13 @@ def unsafe_reason(path: Path) -> str | None:
     return None
 
 
+@torch.compiler.assume_constant_result
 def available() -> bool:
-    """Whether the fused CPU kernel is loaded (compiling it on the first call)."""
+    """Whether the fused CPU kernel is loaded (compiling it on the first call).
+
+    Under ``torch.compile`` this runs once at trace time, outside the graph, and its answer is a
+    constant of the graph: the lock and the build are host-side setup, never traced.
+    """
     with _lock:
         if "ok" not in _state:
             _state["why"] = _load()
@@ -273,6 +278,12 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors, each one passed again (q is k is v) as a view of it: ``torch.compile`` traces an
+    autograd.Function only if no tensor is two of its inputs (a view costs no copy)."""
+    return [t.view_as(t) if any(t is u for u in tensors[:i]) else t for i, t in enumerate(tensors)]
+
+
 def _masks(cfg: MiTAConfig) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The key and query padding masks, contiguous, as the kernels take them."""
     return tuple(None if m is None else m.contiguous() for m in (cfg.key_mask, cfg.query_mask))
@@ -316,7 +327,7 @@ def mita_attention_fused(
         else:
             landmarks = pool(q, cfg.pooling, cfg.query_mask)
     compute = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
-    q_, k_, v_ = (_rows(t.to(compute)) for t in (q, k, v))
+    q_, k_, v_ = _distinct([_rows(t.to(compute)) for t in (q, k, v)])
     given = None if landmarks is None else landmarks.to(compute).contiguous()
     out, pooled, experts, routes = _FusedMiTA.apply(q_, k_, v_, given, cfg, bins)
     return out.to(q.dtype), (pooled.to(q.dtype) if landmarks is None else landmarks, experts, routes)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..common import topk_indices
 from ..pooling import pool
 from ..tiling import tile_rows, zero_padded, zero_padding
 from .autograd import SoftmaxLSE, TileAttention
@@ -37,22 +38,22 @@ def mita_attention_grouped(
 
     if landmarks is None:
         landmarks = pool(q, cfg.pooling, cfg.query_mask)
-    # Scaled affinities s0*A with the query heads of one kv head stacked: (B, Hkv, G*m, Nk).
-    # Top-k is unchanged by the positive scale, so A itself is never needed.
-    A = (cfg.scale * landmarks).reshape(B, Hkv, G * m, D) @ k.transpose(-1, -2)
+    # Affinities A with the query heads of one kv head stacked: (B, Hkv, G*m, Nk). Top-k and routing
+    # read the unscaled products, as the reference does, so that no scale changes which keys tie.
+    A = landmarks.reshape(B, Hkv, G * m, D) @ k.transpose(-1, -2)
     if cfg.key_mask is not None:
         A = A.masked_fill(~cfg.key_mask[:, None, None, :], float("-inf"))
-    v_shared = (torch.softmax(A, dim=-1, dtype=acc).to(q.dtype) @ v).view(B, H, m, D)
-    experts = A.topk(kk, dim=-1).indices.view(B, H, m, kk)
+    v_shared = (torch.softmax(cfg.scale * A.to(acc), dim=-1).to(q.dtype) @ v).view(B, H, m, D)
+    experts = topk_indices(A, kk).view(B, H, m, kk)
 
-    # Gate q . q~ scaled by ls: the shared expert's logits; routing is unchanged by the scale.
-    gate = q @ (cfg.landmark_scale * landmarks).transpose(-1, -2)  # (B, H, Nq, m)
+    # Gate q . q~: routing (the s largest) and, scaled by ls, the shared expert's logits.
+    gate = q @ landmarks.transpose(-1, -2)  # (B, H, Nq, m)
     g = gate.detach()
-    routes = g.argmax(-1, keepdim=True) if s == 1 else g.topk(s, dim=-1).indices  # (B, H, Nq, s)
+    routes = g.argmax(-1, keepdim=True) if s == 1 else topk_indices(g, s)  # (B, H, Nq, s)
     # Step 6 as a merge of partial softmaxes: the shared expert over the landmarks and each
     # routed expert over its keys give an output and a log-sum-exp each; weighting the
     # outputs by softmax(lse) is exactly the one joint softmax (repeated keys counted).
-    p_sh, lse_sh = SoftmaxLSE.apply(gate, acc)
+    p_sh, lse_sh = SoftmaxLSE.apply(cfg.landmark_scale * gate.to(acc), acc)
     lse_sh = lse_sh.unsqueeze(-1)  # (B, H, Nq, 1)
     out_sh = _drop(p_sh.to(q.dtype), dropout_p) @ v_shared  # (B, H, Nq, D)
     if not cfg.use_routed:  # ablation: the shared expert alone

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..common import topk_indices
 from ..pooling import pool_reference
 from ..tiling import zero_padding
 from .config import MiTAConfig
@@ -44,12 +45,12 @@ def mita_attention_reference(
     # 3. Shared expert: values V~ = softmax(s0 A) V; its keys are the landmarks.
     v_shared = torch.softmax(cfg.scale * A, dim=-1) @ v
 
-    # 4. Deformable experts: the top-k keys of each landmark (B, H, m, k).
-    experts = A.topk(cfg.topk, dim=-1).indices
+    # 4. Deformable experts: the top-k keys of each landmark (B, H, m, k); equal keys by lower index.
+    experts = topk_indices(A, cfg.topk)
 
-    # 5. Routing: each query goes to the s landmarks with the largest gate q . q~.
+    # 5. Routing: each query goes to the s landmarks with the largest gate q . q~ (ties: lower landmark).
     gate = q @ landmarks.transpose(-1, -2)  # (B, H, Nq, m)
-    routes = gate.topk(cfg.num_routed, dim=-1).indices  # (B, H, Nq, s)
+    routes = topk_indices(gate, cfg.num_routed)  # (B, H, Nq, s)
 
     # 6. One softmax over [landmarks ; keys of every routed expert] for each query.
     idx = torch.gather(

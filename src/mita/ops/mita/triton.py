@@ -20,6 +20,7 @@ import warnings
 
 import torch
 
+from ..common import topk_indices
 from ..pooling import pool
 from ..tiling import tile_rows, zero_padded, zero_padding
 from .config import MiTAConfig
@@ -88,13 +89,13 @@ def mita_attention_triton(
     q, k, v = zero_padding(q, k, v, cfg)  # padded tokens take no part anywhere
     if landmarks is None:
         landmarks = pool(q, cfg.pooling, cfg.query_mask)
-    A = (cfg.scale * landmarks.float()).reshape(B, Hkv, G * m, D) @ k.float().transpose(-1, -2)
+    A = landmarks.float().reshape(B, Hkv, G * m, D) @ k.float().transpose(-1, -2)  # unscaled, as for the reference
     if cfg.key_mask is not None:
         A = A.masked_fill(~cfg.key_mask[:, None, None, :], float("-inf"))
-    v_shared = (torch.softmax(A, dim=-1) @ v.float()).to(q.dtype).view(B, H, m, D)
-    experts = A.detach().topk(cfg.topk, dim=-1).indices.view(B, H, m, cfg.topk)
+    v_shared = (torch.softmax(cfg.scale * A, dim=-1) @ v.float()).to(q.dtype).view(B, H, m, D)
+    experts = topk_indices(A.detach(), cfg.topk).view(B, H, m, cfg.topk)
     gate = q.detach().float() @ landmarks.detach().float().transpose(-1, -2)  # routing only
-    routes = gate.argmax(-1, keepdim=True) if cfg.num_routed == 1 else gate.topk(cfg.num_routed, dim=-1).indices
+    routes = gate.argmax(-1, keepdim=True) if cfg.num_routed == 1 else topk_indices(gate, cfg.num_routed)
     key_mask = cfg.key_mask if cfg.short_keys else None
     out, _ = torch.ops.mita.triton_forward(
         q, k, v, landmarks, v_shared, experts, routes, key_mask, cfg.scale, cfg.landmark_scale

@@ -76,7 +76,11 @@ T row_max(const T* x, int64_t n) {  // NaN propagates; the tail is one partial v
   return at::vec::vec_reduce_all<T>([](V& p, V& q) { return at::vec::maximum(p, q); }, vm);
 }
 
-// x <- exp(a * x - mx) in place; returns the sum.
+// x <- exp(a * (x - mx)) in place, for a > 0 and mx the max of x (or above it); returns the sum.
+// The difference is scaled, not a * x - a * mx: the compiler may fuse that into one multiply-add,
+// whose exact a * x less the rounded a * mx is up to half an ulp of a * mx above 0 at the max, so
+// that once a * mx passes 2^31 in float (2^63 in double) its exponential overflows and the row
+// turns NaN. x - mx is never above 0, so neither is the argument, whatever the magnitudes.
 template <typename T>
 T exp_sum(T* x, int64_t n, T a, T mx) {
   using V = Vectorized<T>;
@@ -84,12 +88,12 @@ T exp_sum(T* x, int64_t n, T a, T mx) {
   V vs = zero;
   int64_t j = 0;
   for (; j + V::size() <= n; j += V::size()) {
-    V e = vexp(V::loadu(x + j) * va - vm);
+    V e = vexp((V::loadu(x + j) - vm) * va);
     e.store(x + j);
     vs = vs + e;
   }
   if (j < n) {
-    const V e = V::set(zero, vexp(V::loadu(x + j, n - j) * va - vm), n - j);
+    const V e = V::set(zero, vexp((V::loadu(x + j, n - j) - vm) * va), n - j);
     e.store(x + j, n - j);
     vs = vs + e;
   }
@@ -101,15 +105,28 @@ void scale_row(T* x, int64_t n, T a) {
   at::vec::map([a](Vectorized<T> v) { return v * Vectorized<T>(a); }, x, x, n);
 }
 
-// x <- exp(a * x - max(a * x)) in place; returns (sum, max(a * x)).
+// x <- exp(a * (x - max x)) in place, a > 0; returns (sum, a * max x), the max of the logits a * x.
 template <typename T>
 std::pair<T, T> exp_row(T* x, int64_t n, T a) {
-  if (!(a > T(0))) {  // max(a * x) is a * min(x): scale first
-    scale_row(x, n, a);
-    a = T(1);
-  }
-  const T mx = a * row_max(x, n);
-  return {exp_sum(x, n, a, mx), mx};
+  const T mx = row_max(x, n);
+  return {exp_sum(x, n, a, mx), a * mx};
+}
+
+// A probability from its logit a * x and its softmax's log-sum-exp (the backward's recomputation):
+// exp(min(a * x - lse, 0)). A probability is at most 1; the min keeps it so where rounding (of lse,
+// or of a multiply-add the compiler fuses) puts the difference above 0, by up to half an ulp of lse,
+// which past 2^31 in float (2^63 in double) would overflow the exponential.
+template <typename T>
+inline Vectorized<T> prob(const Vectorized<T>& x, const Vectorized<T>& a, const Vectorized<T>& lse) {
+  return vexp(at::vec::minimum(x * a - lse, Vectorized<T>(T(0))));
+}
+
+// x <- prob(x, a, lse) in place, element-wise.
+template <typename T>
+void probs(T* x, int64_t n, T a, T lse) {
+  using V = Vectorized<T>;
+  const V va(a), vl(lse);
+  at::vec::map([&](V v) { return prob(v, va, vl); }, x, x, n);
 }
 
 // n rounded up to whole vectors of T (buffers read and written a vector at a time).
@@ -686,18 +703,16 @@ struct Forward {
       for (int64_t r = 0; r < nr; ++r) {
         T* row = S + r * nb;
         best[r].offer(row, nb, j0, km ? km + j0 : nullptr, sc.block_keys.data());
-        if (!(scale > T(0))) scale_row(row, nb, scale);
-        const T a = scale > T(0) ? scale : T(1);
         if (km)
           for (int64_t j = 0; j < nb; ++j)
             if (!km[j0 + j]) row[j] = ninf;
-        const T nm = std::max(sc.mx[r], a * row_max(row, nb));
+        const T nm = std::max(sc.mx[r], row_max(row, nb));  // of the affinities, before the scale
         if (nm == ninf) {  // every key so far padded
           std::fill(row, row + nb, T(0));
           continue;
         }
-        const T alpha = sc.mx[r] == ninf ? T(0) : std::exp(sc.mx[r] - nm);
-        sc.sum[r] = sc.sum[r] * alpha + exp_sum(row, nb, a, nm);
+        const T alpha = sc.mx[r] == ninf ? T(0) : std::exp(scale * (sc.mx[r] - nm));
+        sc.sum[r] = sc.sum[r] * alpha + exp_sum(row, nb, scale, nm);
         if (alpha != T(1)) scale_row(acc + r * D, D, alpha);
         sc.mx[r] = nm;
       }
@@ -705,7 +720,7 @@ struct Forward {
     }
     for (int64_t r = 0; r < nr; ++r) {
       scale_row(acc + r * D, D, T(1) / sc.sum[r]);
-      LA[x * m + r0 + r] = sc.mx[r] + std::log(sc.sum[r]);
+      LA[x * m + r0 + r] = scale * sc.mx[r] + std::log(sc.sum[r]);
       int64_t* e = E + (x * m + r0 + r) * topk;
       best[r].sorted_indices(e);
       for (int64_t i = kk, j = 0; i < topk; ++i, ++j) {  // a short sequence: padded keys, in order
@@ -738,20 +753,20 @@ struct Forward {
       }
     const V vls(lscale), vninf(ninf);
     for (int64_t i0 = 0; i0 < ld; i0 += V::size()) {
-      // The first largest gate of each query (a NaN among them routes to 0) and the largest logit.
-      V gmax = vninf, best = vninf, arg(T(0)), lmax = vninf;
+      // The first largest gate of each query (a NaN among them routes to 0) and the largest gate.
+      V gmax = vninf, best = vninf, arg(T(0));
       for (int64_t e = 0; e < m; ++e) {
         const V g = V::loadu(Gt + e * ld + i0);
         gmax = at::vec::maximum(gmax, g);
         const V better = g > best;
         best = V::blendv(best, g, better);
         arg = V::blendv(arg, V(T(e)), better);
-        lmax = at::vec::maximum(lmax, g * vls);
       }
       arg = V::blendv(arg, V(T(0)), gmax != gmax);
+      const V lmax = gmax * vls;  // the largest logit
       V sum(T(0));
-      for (int64_t e = 0; e < m; ++e) {
-        const V p = vexp(V::loadu(Gt + e * ld + i0) * vls - lmax);
+      for (int64_t e = 0; e < m; ++e) {  // the difference scaled, never above 0: see exp_sum
+        const V p = vexp((V::loadu(Gt + e * ld + i0) - gmax) * vls);
         p.store(Gt + e * ld + i0);
         sum = sum + p;
       }
@@ -1050,7 +1065,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           const int64_t c = std::min<int64_t>(V::size(), nq - i0);
           const V lse = V::loadu(LTx + t0 + i0, c), dl = V::loadu(delta.data() + t0 + i0, c);
           for (int64_t e = 0; e < m; ++e) {
-            const V p = vexp(V::loadu(Pt + e * ld + i0) * vls - lse);
+            const V p = prob(V::loadu(Pt + e * ld + i0), vls, lse);
             p.store(Pt + e * ld + i0);
             (vls * p * (V::loadu(dPt + e * ld + i0) - dl)).store(dPt + e * ld + i0);
           }
@@ -1076,7 +1091,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         gemm<T>(false, true, m, nb, D, dvs.data(), D, Vx + j0 * vs, vs, false, dP.data(), nb);
         for (int64_t i = 0; i < m; ++i) {
           T *p = P.data() + i * nb, *dp = dP.data() + i * nb;
-          exp_sum(p, nb, scale, LA[x * m + i]);
+          probs(p, nb, scale, LA[x * m + i]);
           for (int64_t j = 0; j < nb; ++j) {
             if (km && !km[j0 + j]) p[j] = T(0);
             dp[j] = scale * p[j] * (dp[j] - rowdot[i]);
@@ -1134,7 +1149,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             }
             const V lse = V::loadu(lse_l), dl = V::loadu(dl_l);
             for (int64_t j = 0; j < kk; ++j) {
-              const V pv = vexp(V::loadu(Pt + j * ld + i0) * vs0 - lse);
+              const V pv = prob(V::loadu(Pt + j * ld + i0), vs0, lse);
               pv.store(Pt + j * ld + i0);
               (vs0 * pv * (V::loadu(dPt + j * ld + i0) - dl)).store(dPt + j * ld + i0);
             }
@@ -1164,7 +1179,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           for (int64_t i = 0; i < nb; ++i) {
             T *p = P.data() + i * kk, *dp = dP.data() + i * kk;
             const int64_t t = mem[i0 + i] / s;
-            exp_sum(p, kk, scale, LTx[t]);
+            probs(p, kk, scale, LTx[t]);
             for (int64_t j = 0; j < kk; ++j) dp[j] = scale * p[j] * (dp[j] - delta[t]);
           }
           gemm<T>(false, false, nb, D, kk, dP.data(), kk, Ke.data(), D, false, dQb.data(), D);
@@ -1213,6 +1228,16 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               "mita fused: bad landmarks shape");
 }
 
+// scale and landmark_scale, positive and finite in q's dtype: the kernels scale differences of
+// logits by them (exp_sum), which takes a positive factor.
+void check_scales(double scale, double landmark_scale, at::ScalarType dtype) {
+  for (const double s : {scale, landmark_scale}) {
+    const double t = dtype == at::kFloat ? double(static_cast<float>(s)) : s;
+    TORCH_CHECK(t > 0 && std::isfinite(t), "mita fused: scale and landmark_scale must be positive and finite in ",
+                dtype, ", got ", scale, " and ", landmark_scale);
+  }
+}
+
 // The data of a (B, N) bool padding mask (True = real token), or nullptr without one.
 const bool* mask_data(const std::optional<at::Tensor>& mask, int64_t B, int64_t N, const char* name) {
   if (!mask.has_value()) return nullptr;
@@ -1252,6 +1277,7 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
                       ? landmarks->clone()
                       : at::empty({q.size(0), q.size(1), pool_offsets->numel() - 1, q.size(3)}, q.options());
   check_inputs(q, k, v, lm);
+  check_scales(scale, landmark_scale, q.scalar_type());
   const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3), m = lm.size(2);
   const bool *km = mask_data(key_mask, B, k.size(2), "key_mask"), *qm = mask_data(query_mask, B, Nq, "query_mask");
   TORCH_CHECK(!bins || !qm, "mita fused: pooling bins take no query mask (pool the masked landmarks outside)");
@@ -1284,6 +1310,7 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
                                  const std::optional<at::Tensor>& pool_tokens,
                                  const std::optional<at::Tensor>& dlandmarks) {
   check_inputs(q, k, v, landmarks);
+  check_scales(scale, landmark_scale, q.scalar_type());
   const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), Nk = k.size(2), D = q.size(3);
   const int64_t Nq = q.size(2), m = landmarks.size(2);
   const bool *km = mask_data(key_mask, B, Nk, "key_mask"), *qm = mask_data(query_mask, B, Nq, "query_mask");
