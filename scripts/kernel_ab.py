@@ -3,15 +3,18 @@
 Each source is built under its own operator namespace (``mitaab0``, ``mitaab1``, ...), the
 outputs and gradients of every version are checked against the first's, then the calls are
 timed in alternating rounds (medians), so that a noisy machine moves every version alike.
-The cases are the issue-11 presets (deit224, deit512) and the standard configuration:
-    git show HEAD~3:src/mita/ops/mita/csrc/fused_cpu.cpp > /tmp/old.cpp
-    python scripts/kernel_ab.py /tmp/old.cpp src/mita/ops/mita/csrc/fused_cpu.cpp --threads 1
+The cases are the issue-11 presets (deit224, deit512) and the standard configuration. A version
+is its fused_cpu.cpp, with the headers it includes (``#include "x.h"``) beside it:
+    mkdir -p /tmp/old && git archive HEAD~3 src/mita/ops/mita/csrc | tar -x -C /tmp/old
+    python scripts/kernel_ab.py /tmp/old/src/mita/ops/mita/csrc/fused_cpu.cpp \
+        src/mita/ops/mita/csrc/fused_cpu.cpp --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import re
 import statistics
 import time
 from pathlib import Path
@@ -33,6 +36,19 @@ CASES = {
 }
 
 
+def local_headers(source: Path) -> set[Path]:
+    """The headers ``source`` includes with quotes, found beside it, and theirs in turn."""
+    found: set[Path] = set()
+    todo = [source]
+    while todo:
+        for name in re.findall(r'^#include "([^"]+)"', todo.pop().read_text(), flags=re.M):
+            header = source.parent / name
+            if header not in found:
+                found.add(header)
+                todo.append(header)
+    return found
+
+
 def build(sources: list[str], folder: Path) -> list[object]:
     """Each source compiled (ninja skips unchanged ones) and loaded; returns their torch.ops namespaces."""
     spaces = []
@@ -45,8 +61,10 @@ def build(sources: list[str], folder: Path) -> list[object]:
         if why := fused.unsafe_reason(build_dir):  # as the kernel cache: load no code another user could swap
             raise SystemExit(f"kernel_ab: {why}; pass --build with a folder of your own")
         copy = build_dir / "fused_cpu.cpp"
-        if not copy.exists() or copy.read_text() != text:
-            copy.write_text(text)
+        files = {copy: text, **{build_dir / h.name: h.read_text() for h in local_headers(Path(src))}}
+        for path, content in files.items():
+            if not path.exists() or path.read_text() != content:
+                path.write_text(content)
         flags = fused._cflags()
         load(
             name=name,

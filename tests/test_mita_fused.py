@@ -169,11 +169,13 @@ def test_cache_dir_expands_home_and_ignores_the_checkout(monkeypatch, tmp_path) 
     monkeypatch.setenv("MITA_CACHE", "~/kernels")
     assert fused.cache_root() == tmp_path / "kernels"
     first = fused.cache_dir()
-    other = tmp_path / "checkout-b" / "fused_cpu.cpp"
-    other.parent.mkdir()
-    other.write_bytes(fused.SOURCE.read_bytes())
-    monkeypatch.setattr(fused, "SOURCE", other)
+    (tmp_path / "checkout-b").mkdir()
+    for file in fused.sources():
+        (tmp_path / "checkout-b" / file.name).write_bytes(file.read_bytes())
+    monkeypatch.setattr(fused, "SOURCE", tmp_path / "checkout-b" / fused.SOURCE.name)
     assert fused.cache_dir() == first
+    (tmp_path / "checkout-b" / "vec.h").write_text("// changed\n")  # a header is part of the key
+    assert fused.cache_dir() != first
 
 
 def test_build_files_hold_no_checkout_path(kernel) -> None:

@@ -33,7 +33,7 @@ from ..tiling import zero_padding
 from .config import MiTAConfig
 from .grouped import mita_attention_grouped
 
-SOURCE = Path(__file__).with_name("csrc") / "fused_cpu.cpp"
+SOURCE = Path(__file__).with_name("csrc") / "fused_cpu.cpp"  # one translation unit: it includes the headers beside it
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
     "AVX2": ["-mavx2", "-mfma"],
@@ -59,6 +59,11 @@ def cache_root() -> Path:
     return Path(root).expanduser()
 
 
+def sources() -> list[Path]:
+    """The kernel's files: :data:`SOURCE` and the headers in its folder."""
+    return [SOURCE, *sorted(SOURCE.parent.glob("*.h"))]
+
+
 def cache_dir() -> Path:
     """Where the compiled kernel lives: one folder per build.
 
@@ -68,7 +73,7 @@ def cache_dir() -> Path:
     that share a cache reuse each other's builds instead of rebuilding in turn.
     """
     key = {
-        "source": hashlib.sha256(SOURCE.read_bytes()).hexdigest(),
+        "source": {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sources()},
         "torch": [torch.__version__, str(Path(torch.__file__).resolve().parent)],
         "python": sysconfig.get_paths()["include"],
         "compiler": shutil.which(os.environ.get("CXX", "c++")) or os.environ.get("CXX", "c++"),
@@ -129,10 +134,11 @@ def _load() -> str | None:
             )
             warnings.warn(f"mita: {why}; MiTA uses the pure-PyTorch grouped path", RuntimeWarning, stacklevel=3)
             return why
-        source = build / SOURCE.name  # compiled from inside the cache: no checkout path in the build files
-        if not source.exists() or source.read_bytes() != SOURCE.read_bytes():
-            shutil.copyfile(SOURCE, source)
-        _build_and_load(build, source)
+        for file in sources():  # compiled from inside the cache: no checkout path in the build files
+            copy = build / file.name
+            if not copy.exists() or copy.read_bytes() != file.read_bytes():
+                shutil.copyfile(file, copy)
+        _build_and_load(build, build / SOURCE.name)
         torch.library.register_fake("mita::fused_forward")(_fake_forward)
         torch.library.register_fake("mita::fused_backward")(_fake_backward)
         return None

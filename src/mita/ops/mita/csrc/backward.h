@@ -1,0 +1,207 @@
+// The backward of the joint softmax, the shared values and the landmark pooling, per head.
+// Part of the fused MiTA CPU kernel (fused_cpu.cpp, one translation unit; see README.md here).
+
+#pragma once
+
+#include "forward.h"
+
+namespace {
+
+// Backward of the joint softmax of step 6 and of V~ = softmax(s0 L K^T) V, per head x (one
+// task per head: dq, dlandmarks and the head's dk, dv rows have one writer). p are the joint
+// probabilities exp(logit - lse_t); with delta = <dout, out> per query, d logit = p (dp - delta).
+// Order: the shared expert (dq written), the shared values (dk, dv written), the routed experts
+// (added in; small ones in register tiles, as the forward's).
+template <typename T>
+void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& lm, const bool* key_mask, const bool* query_mask, const at::Tensor& experts,
+                   const at::Tensor& routes, const at::Tensor& out, const at::Tensor& v_shared,
+                   const at::Tensor& lse_a, const at::Tensor& lse_t, double scale_, double landmark_scale_,
+                   Bins bins, const at::Tensor* dl_extra, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                   at::Tensor& dl) {
+  const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), Nk = k.size(2), m = lm.size(2), G = H / Hkv, X = B * H;
+  const int64_t topk = experts.size(3), s = routes.size(3);
+  const T scale = static_cast<T>(scale_), lscale = static_cast<T>(landmark_scale_);
+  const T *dO = dout.data_ptr<T>(), *Q = q.data_ptr<T>(), *K = k.data_ptr<T>(), *Vv = v.data_ptr<T>();
+  const T *L = lm.data_ptr<T>(), *O = out.data_ptr<T>(), *VS = v_shared.data_ptr<T>();
+  const T *LA = lse_a.data_ptr<T>(), *LT = lse_t.data_ptr<T>();
+  const int64_t *E = experts.data_ptr<int64_t>(), *R = routes.data_ptr<int64_t>();
+  T *dQ = dq.data_ptr<T>(), *dK = dk.data_ptr<T>(), *dV = dv.data_ptr<T>(), *dL = dl.data_ptr<T>();
+  const Rows qr(q), kr(k), vr(v), outr(out), dor(dout);  // dq, dk, dv are contiguous
+  const int64_t qs = qr.st, ks = kr.st, vs = vr.st, os = outr.st, dos = dor.st;
+
+  at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
+    const SingleThreadedBlas blas;
+    const int64_t nbuf = std::max({kQueryBlock, kKeyBlock, topk});
+    std::vector<T> delta(Nq), dvs(m * D), rowdot(m), P(nbuf * std::max(m, topk)), dP(nbuf * std::max(m, topk));
+    std::vector<T> Qb(kQueryBlock * D), dOb(kQueryBlock * D), dQb(kQueryBlock * D), Ke(topk * D), Ve(topk * D),
+        dKe(topk * D), dVe(topk * D);
+    std::vector<int64_t> start(m + 1), members(Nq * s);
+    for (int64_t x = begin; x < end; ++x) {
+      const int64_t b = x / H;
+      const bool* qm = query_mask ? query_mask + b * Nq : nullptr;
+      const bool* km = key_mask ? key_mask + b * Nk : nullptr;
+      const int64_t kk = key_mask ? std::min<int64_t>(topk, std::count(km, km + Nk, true)) : topk;
+      const int64_t h = x % H, hkv = h / G;
+      const T *Qx = Q + qr.head(b, h), *dOx = dO + dor.head(b, h), *Ox = O + outr.head(b, h), *Lx = L + x * m * D;
+      const T *VSx = VS + x * m * D, *Kx = K + kr.head(b, hkv), *Vx = Vv + vr.head(b, hkv), *LTx = LT + x * Nq;
+      T *dQx = dQ + x * Nq * D, *dKx = dK + x * Nk * D, *dVx = dV + x * Nk * D, *dLx = dL + x * m * D;
+      for (int64_t t = 0; t < Nq; ++t)
+        delta[t] = (qm && !qm[t]) ? T(0) : at::vec::map2_reduce_all<T>(
+            [](Vectorized<T> a, Vectorized<T> c) { return a * c; }, [](Vectorized<T> a, Vectorized<T> c) { return a + c; },
+            dOx + t * dos, Ox + t * os, D);
+      std::fill(dvs.begin(), dvs.end(), T(0));
+
+      // Shared expert: logits ls * q.q~, values v~; transposed as in the forward's gate (m x nq,
+      // the queries as lanes).
+      for (int64_t t0 = 0; t0 < Nq; t0 += kQueryBlock) {
+        using V = Vectorized<T>;
+        const int64_t nq = std::min(kQueryBlock, Nq - t0), ld = whole_vectors<T>(nq);
+        T *Pt = P.data(), *dPt = dP.data();
+        gemm<T>(false, true, m, nq, D, Lx, D, Qx + t0 * qs, qs, false, Pt, ld);
+        gemm<T>(false, true, m, nq, D, VSx, D, dOx + t0 * dos, dos, false, dPt, ld);
+        const V vls(lscale);
+        for (int64_t i0 = 0; i0 < nq; i0 += V::size()) {
+          const int64_t c = std::min<int64_t>(V::size(), nq - i0);
+          const V lse = V::loadu(LTx + t0 + i0, c), dl = V::loadu(delta.data() + t0 + i0, c);
+          for (int64_t e = 0; e < m; ++e) {
+            const V p = prob(V::loadu(Pt + e * ld + i0), vls, lse);
+            p.store(Pt + e * ld + i0);
+            (vls * p * (V::loadu(dPt + e * ld + i0) - dl)).store(dPt + e * ld + i0);
+          }
+        }
+        if (qm)
+          for (int64_t i = 0; i < nq; ++i)
+            if (!qm[t0 + i])
+              for (int64_t e = 0; e < m; ++e) Pt[e * ld + i] = dPt[e * ld + i] = T(0);
+        gemm<T>(true, false, nq, D, m, dPt, ld, Lx, D, false, dQx + t0 * D, D);
+        gemm<T>(false, false, m, D, nq, dPt, ld, Qx + t0 * qs, qs, true, dLx, D);
+        gemm<T>(false, false, m, D, nq, Pt, ld, dOx + t0 * dos, dos, true, dvs.data(), D);
+      }
+
+      // Shared values v~ = softmax(s0 A) V, by key blocks: P_A recomputed from its log-sum-exp. It
+      // covers every key, so it writes the head's dk and dv rows first (no zero-fill of them).
+      for (int64_t i = 0; i < m; ++i)
+        rowdot[i] = at::vec::map2_reduce_all<T>(
+            [](Vectorized<T> a, Vectorized<T> c) { return a * c; }, [](Vectorized<T> a, Vectorized<T> c) { return a + c; },
+            dvs.data() + i * D, VSx + i * D, D);
+      for (int64_t j0 = 0; j0 < Nk; j0 += kKeyBlock) {
+        const int64_t nb = std::min(kKeyBlock, Nk - j0);
+        gemm<T>(false, true, m, nb, D, Lx, D, Kx + j0 * ks, ks, false, P.data(), nb);
+        gemm<T>(false, true, m, nb, D, dvs.data(), D, Vx + j0 * vs, vs, false, dP.data(), nb);
+        for (int64_t i = 0; i < m; ++i) {
+          T *p = P.data() + i * nb, *dp = dP.data() + i * nb;
+          probs(p, nb, scale, LA[x * m + i]);
+          for (int64_t j = 0; j < nb; ++j) {
+            if (km && !km[j0 + j]) p[j] = T(0);
+            dp[j] = scale * p[j] * (dp[j] - rowdot[i]);
+          }
+        }
+        gemm<T>(true, false, nb, D, m, P.data(), nb, dvs.data(), D, false, dVx + j0 * D, D);
+        gemm<T>(false, false, m, D, nb, dP.data(), nb, Kx + j0 * ks, ks, true, dLx, D);
+        gemm<T>(true, false, nb, D, m, dP.data(), nb, Lx, D, false, dKx + j0 * D, D);
+      }
+
+      // Routed experts: queries grouped by expert, as in the forward (members hold t * s + j).
+      group_by_expert(R + x * Nq * s, qm, Nq, s, m, start.data(), members.data());
+      for (int64_t e = 0; e < m; ++e) {
+        const int64_t n_e = start[e + 1] - start[e];
+        if (n_e == 0) continue;
+        const int64_t* keys = E + (x * m + e) * topk;
+        const int64_t* mem = members.data() + start[e];
+        // dQb's nb rows added into the rows of their queries (slots sl); dKe, dVe into the key rows.
+        const auto add_dq = [&](const int64_t* sl, int64_t nb) {
+          for (int64_t i = 0; i < nb; ++i) {
+            T* dqt = dQx + (sl[i] / s) * D;
+            const T* g = dQb.data() + i * D;
+            for (int64_t d = 0; d < D; ++d) dqt[d] += g[d];
+          }
+        };
+        const auto add_dkv = [&] {
+          for (int64_t i = 0; i < kk; ++i)
+            for (int64_t d = 0; d < D; ++d) {
+              dKx[keys[i] * D + d] += dKe[i * D + d];
+              dVx[keys[i] * D + d] += dVe[i * D + d];
+            }
+        };
+        // A small expert as in the forward: P^T and dP^T with its queries as lanes, every product in
+        // register tiles reading rows in place (8-10% off the backward at N = 197, 2-3% at 1,025;
+        // the same with BLAS-shaped buffers, tried first, measured no gain).
+        if (n_e <= kQueryBlock && n_e * kk * D <= kSmallBackward) {
+          using V = Vectorized<T>;
+          const int64_t ld = whole_vectors<T>(n_e);
+          T *Qt = Qb.data(), *dOt = dOb.data(), *Pt = P.data(), *dPt = dP.data();
+          const auto qrow = [&](int64_t i) { return Qx + (mem[i] / s) * qs; };
+          const auto dorow = [&](int64_t i) { return dOx + (mem[i] / s) * dos; };
+          const auto krow = [&](int64_t j) { return Kx + keys[j] * ks; };
+          const auto vrow = [&](int64_t j) { return Vx + keys[j] * vs; };
+          rows_as_columns<T>(n_e, D, ld, T(1), qrow, Qt);
+          rows_as_columns<T>(n_e, D, ld, T(1), dorow, dOt);
+          small_gemm<T>(kk, ld, D, krow, 1, [&](int64_t d) { return Qt + d * ld; }, Pt, ld);
+          small_gemm<T>(kk, ld, D, vrow, 1, [&](int64_t d) { return dOt + d * ld; }, dPt, ld);
+          T lse_l[V::size()], dl_l[V::size()];
+          const V vs0(scale);
+          for (int64_t i0 = 0; i0 < ld; i0 += V::size()) {  // the queries are the lanes
+            for (int64_t i = 0; i < V::size(); ++i) {
+              const bool real = i0 + i < n_e;
+              lse_l[i] = real ? LTx[mem[i0 + i] / s] : std::numeric_limits<T>::infinity();  // p = 0
+              dl_l[i] = real ? delta[mem[i0 + i] / s] : T(0);
+            }
+            const V lse = V::loadu(lse_l), dl = V::loadu(dl_l);
+            for (int64_t j = 0; j < kk; ++j) {
+              const V pv = prob(V::loadu(Pt + j * ld + i0), vs0, lse);
+              pv.store(Pt + j * ld + i0);
+              (vs0 * pv * (V::loadu(dPt + j * ld + i0) - dl)).store(dPt + j * ld + i0);
+            }
+          }
+          small_gemm<T>(n_e, D, kk, [&](int64_t i) { return dPt + i; }, ld, krow, dQb.data(), D);
+          add_dq(mem, n_e);
+          small_gemm<T>(kk, D, n_e, [&](int64_t j) { return dPt + j * ld; }, 1, qrow, dKe.data(), D);
+          small_gemm<T>(kk, D, n_e, [&](int64_t j) { return Pt + j * ld; }, 1, dorow, dVe.data(), D);
+          add_dkv();
+          continue;
+        }
+        for (int64_t i = 0; i < kk; ++i) {
+          std::copy(Kx + keys[i] * ks, Kx + keys[i] * ks + D, Ke.data() + i * D);
+          std::copy(Vx + keys[i] * vs, Vx + keys[i] * vs + D, Ve.data() + i * D);
+        }
+        std::fill(dKe.begin(), dKe.end(), T(0));
+        std::fill(dVe.begin(), dVe.end(), T(0));
+        for (int64_t i0 = 0; i0 < n_e; i0 += kQueryBlock) {
+          const int64_t nb = std::min(kQueryBlock, n_e - i0);
+          for (int64_t i = 0; i < nb; ++i) {
+            const int64_t t = mem[i0 + i] / s;
+            std::copy(Qx + t * qs, Qx + t * qs + D, Qb.data() + i * D);
+            std::copy(dOx + t * dos, dOx + t * dos + D, dOb.data() + i * D);
+          }
+          gemm<T>(false, true, nb, kk, D, Qb.data(), D, Ke.data(), D, false, P.data(), kk);
+          gemm<T>(false, true, nb, kk, D, dOb.data(), D, Ve.data(), D, false, dP.data(), kk);
+          for (int64_t i = 0; i < nb; ++i) {
+            T *p = P.data() + i * kk, *dp = dP.data() + i * kk;
+            const int64_t t = mem[i0 + i] / s;
+            probs(p, kk, scale, LTx[t]);
+            for (int64_t j = 0; j < kk; ++j) dp[j] = scale * p[j] * (dp[j] - delta[t]);
+          }
+          gemm<T>(false, false, nb, D, kk, dP.data(), kk, Ke.data(), D, false, dQb.data(), D);
+          add_dq(mem + i0, nb);
+          gemm<T>(true, false, kk, D, nb, dP.data(), kk, Qb.data(), D, true, dKe.data(), D);
+          gemm<T>(true, false, kk, D, nb, P.data(), kk, dOb.data(), D, true, dVe.data(), D);
+        }
+        add_dkv();
+      }
+
+      if (bins) {  // landmarks pooled from q: their gradient (and any from outside) flows into dq
+        if (dl_extra) {
+          const T* extra = dl_extra->data_ptr<T>() + x * m * D;
+          for (int64_t i = 0; i < m * D; ++i) dvs[i] = dLx[i] + extra[i];
+          unpool_head(dvs.data(), m, D, bins, dQx);
+        } else {
+          unpool_head(dLx, m, D, bins, dQx);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace

@@ -1,0 +1,379 @@
+// The forward: phases A (experts, shared values), B (gate, shared branch), C (routed experts) and the merge.
+// Part of the fused MiTA CPU kernel (fused_cpu.cpp, one translation unit; see README.md here).
+
+#pragma once
+
+#include "products.h"
+#include "rows.h"
+#include "topk.h"
+#include "merge.h"
+
+namespace {
+
+constexpr int64_t kKeyBlock = 512, kQueryBlock = 256;  // measured best of 256-1024 / 64-512 at N = 16,384
+// A head whose q, k and v fit in this many bytes (about L2) runs all its phases in one task, so
+// small heads (vision sizes) pay no per-phase scheduling and meet their data in cache; larger
+// heads split each phase across the threads.
+constexpr int64_t kSmallHead = int64_t(1) << 20;
+
+// The forward of one call: the phases of the header as functions of (head, block), scheduled by
+// forward_impl either head by head (small heads) or phase by phase (large ones).
+template <typename T>
+struct Forward {
+  using Key = typename TopK<T>::S;
+  int64_t H, Nq, D, Hkv, Nk, m, G, topk, s;
+  T scale, lscale;
+  const T *Q, *K, *Vv;
+  Rows qr, kr, vr, outr;  // the layouts of q, k, v, out
+  T* L;  // the landmarks: given, or pooled here from Q by `bins`
+  Bins bins;
+  const bool *key_mask, *query_mask;
+  T *O, *VS, *LA, *LT, *LSE, *RO, *RL;
+  int64_t *E, *R, *start, *members;
+  std::vector<int64_t> n_real;
+
+  // One thread's buffers, sized for phase A on up to `rows` landmark rows.
+  struct Scratch {
+    std::vector<T> S, mx, sum, Gt, Ke, Ve, Qb, Sb, Ob, lse, a, w;
+    std::vector<Key> keys, block_keys;
+    std::vector<int32_t> index;
+    std::vector<int64_t> order;
+    Scratch(const Forward& f, int64_t rows)
+        : S(rows * kKeyBlock), mx(rows), sum(rows), Gt(kQueryBlock * f.m), Ke(f.topk * f.D), Ve(f.topk * f.D),
+          Qb(kQueryBlock * f.D), Sb(kQueryBlock * std::max(f.topk, f.m)), Ob(kQueryBlock * f.D), lse(kQueryBlock),
+          a(kQueryBlock), w(kQueryBlock), keys(rows * (f.topk + kKeyBlock + 2 * Vectorized<Key>::size())),
+          block_keys(kKeyBlock), index(rows * (f.topk + kKeyBlock + 2 * Vectorized<Key>::size())), order(f.m) {}
+  };
+
+  // Head x's rows: element (t, d) of q at qx(x)[t * qr.st + d], and so on.
+  const T* qx(int64_t x) const { return Q + qr.head(x / H, x % H); }
+  const T* kx(int64_t x) const { return K + kr.head(x / H, (x % H) / G); }
+  const T* vx(int64_t x) const { return Vv + vr.head(x / H, (x % H) / G); }
+  T* ox(int64_t x) const { return O + outr.head(x / H, x % H); }
+
+  // A: shared-expert values and the experts' keys of landmark rows r0 .. r0+nr of head x.
+  void experts(int64_t x, int64_t r0, int64_t nr, Scratch& sc) const {
+    const T ninf = -std::numeric_limits<T>::infinity();
+    const int64_t kk = std::min(topk, n_real[x / H]);
+    const T* Lx = L + (x * m + r0) * D;
+    const T* Kx = kx(x);
+    const T* Vx = vx(x);
+    const bool* km = key_mask ? key_mask + (x / H) * Nk : nullptr;
+    T* acc = VS + (x * m + r0) * D;
+    std::fill(acc, acc + nr * D, T(0));
+    std::fill(sc.mx.begin(), sc.mx.begin() + nr, ninf);
+    std::fill(sc.sum.begin(), sc.sum.begin() + nr, T(0));
+    const int64_t cap = topk + kKeyBlock, stride = whole_vectors<Key>(cap) + Vectorized<Key>::size();
+    std::vector<TopK<T>> best(nr);
+    for (int64_t r = 0; r < nr; ++r) best[r] = {sc.keys.data() + r * stride, sc.index.data() + r * stride, kk, cap};
+    T* S = sc.S.data();
+    for (int64_t j0 = 0; j0 < Nk; j0 += kKeyBlock) {
+      const int64_t nb = std::min(kKeyBlock, Nk - j0);
+      gemm<T>(false, true, nr, nb, D, Lx, D, Kx + j0 * kr.st, kr.st, false, S, nb);
+      for (int64_t r = 0; r < nr; ++r) {
+        T* row = S + r * nb;
+        best[r].offer(row, nb, j0, km ? km + j0 : nullptr, sc.block_keys.data());
+        if (km)
+          for (int64_t j = 0; j < nb; ++j)
+            if (!km[j0 + j]) row[j] = ninf;
+        const T nm = std::max(sc.mx[r], row_max(row, nb));  // of the affinities, before the scale
+        if (nm == ninf) {  // every key so far padded
+          std::fill(row, row + nb, T(0));
+          continue;
+        }
+        const T alpha = sc.mx[r] == ninf ? T(0) : std::exp(scale * (sc.mx[r] - nm));
+        sc.sum[r] = sc.sum[r] * alpha + exp_sum(row, nb, scale, nm);
+        if (alpha != T(1)) scale_row(acc + r * D, D, alpha);
+        sc.mx[r] = nm;
+      }
+      gemm<T>(false, false, nr, D, nb, S, nb, Vx + j0 * vr.st, vr.st, true, acc, D);
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      scale_row(acc + r * D, D, T(1) / sc.sum[r]);
+      LA[x * m + r0 + r] = scale * sc.mx[r] + std::log(sc.sum[r]);
+      int64_t* e = E + (x * m + r0 + r) * topk;
+      best[r].sorted_indices(e);
+      for (int64_t i = kk, j = 0; i < topk; ++i, ++j) {  // a short sequence: padded keys, in order
+        while (km[j]) ++j;
+        e[i] = j;
+      }
+    }
+  }
+
+  // B: gate, routes and the shared branch of queries t0 .. t0+nq of head x. The gates are
+  // computed transposed, G^T = L Q^T (m x nq: MKL ran this shape 1.2-1.7x faster than Q L^T at
+  // m = 49), so that the argmax and the softmax over the m landmarks run with the queries as lanes.
+  void gate(int64_t x, int64_t t0, int64_t nq, Scratch& sc) const {
+    using V = Vectorized<T>;
+    const T ninf = -std::numeric_limits<T>::infinity();
+    const bool* qm = query_mask ? query_mask + (x / H) * Nq : nullptr;
+    const int64_t ld = whole_vectors<T>(nq);
+    T* Gt = sc.Gt.data();
+    gemm<T>(false, true, m, nq, D, L + x * m * D, D, qx(x) + t0 * qr.st, qr.st, false, Gt, ld);
+    for (int64_t e = 0; e < m; ++e) std::fill(Gt + e * ld + nq, Gt + (e + 1) * ld, T(0));  // whole vectors
+    if (s > 1)  // the s largest gates of each query, ties to the lower landmark
+      for (int64_t i = 0; i < nq; ++i) {
+        int64_t* order = sc.order.data();
+        for (int64_t e = 0; e < m; ++e) order[e] = e;
+        const T* col = Gt + i;
+        std::partial_sort(order, order + s, order + m, [col, ld](int64_t a, int64_t c) {
+          return col[a * ld] > col[c * ld] || (col[a * ld] == col[c * ld] && a < c);
+        });
+        std::copy(order, order + s, R + (x * Nq + t0 + i) * s);
+      }
+    const V vls(lscale), vninf(ninf);
+    for (int64_t i0 = 0; i0 < ld; i0 += V::size()) {
+      // The first largest gate of each query (a NaN among them routes to 0) and the largest gate.
+      V gmax = vninf, best = vninf, arg(T(0));
+      for (int64_t e = 0; e < m; ++e) {
+        const V g = V::loadu(Gt + e * ld + i0);
+        gmax = at::vec::maximum(gmax, g);
+        const V better = g > best;
+        best = V::blendv(best, g, better);
+        arg = V::blendv(arg, V(T(e)), better);
+      }
+      arg = V::blendv(arg, V(T(0)), gmax != gmax);
+      const V lmax = gmax * vls;  // the largest logit
+      V sum(T(0));
+      for (int64_t e = 0; e < m; ++e) {  // the difference scaled, never above 0: see exp_sum
+        const V p = vexp((V::loadu(Gt + e * ld + i0) - gmax) * vls);
+        p.store(Gt + e * ld + i0);
+        sum = sum + p;
+      }
+      const V inv = V(T(1)) / sum;
+      for (int64_t e = 0; e < m; ++e) (V::loadu(Gt + e * ld + i0) * inv).store(Gt + e * ld + i0);
+      lmax.store(sc.a.data() + i0);
+      sum.store(sc.w.data() + i0);
+      if (s == 1) {
+        T args[V::size()];
+        arg.store(args);
+        for (int64_t i = i0; i < std::min(nq, i0 + V::size()); ++i) R[x * Nq + t0 + i] = int64_t(args[i - i0]);
+      }
+    }
+    if (qm)
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t t = t0 + i;
+        if (qm[t]) continue;
+        // A padded query: no routes of its own, zero output.
+        for (int64_t j = 0; j < s; ++j) R[(x * Nq + t) * s + j] = j;
+        for (int64_t e = 0; e < m; ++e) Gt[e * ld + i] = T(0);
+        sc.a[i] = ninf;
+        sc.w[i] = T(1);
+        LT[x * Nq + t] = T(0);
+      }
+    log_add(sc.w.data(), sc.a.data(), LSE + x * Nq + t0, nq);  // lse = max + log(sum)
+    gemm<T>(true, false, nq, D, m, Gt, ld, VS + x * m * D, D, false, ox(x) + t0 * outr.st, outr.st);
+  }
+
+  // C: the routed expert e of head x attends its queries; merged into out (s = 1) or kept.
+  void routed(int64_t x, int64_t e, Scratch& sc) const {
+    const int64_t* st = start + x * (m + 1);
+    const int64_t n_e = st[e + 1] - st[e];
+    if (n_e == 0) return;
+    const int64_t kk = std::min(topk, n_real[x / H]);
+    const int64_t* keys = E + (x * m + e) * topk;
+    const T* Kx = kx(x);
+    const T* Vx = vx(x);
+    T *Ke = sc.Ke.data(), *Ve = sc.Ve.data(), *Qb = sc.Qb.data(), *Sb = sc.Sb.data(), *Ob = sc.Ob.data();
+    const int64_t* mem = members + x * Nq * s + st[e];
+    if (n_e <= kQueryBlock && n_e * kk * D <= kSmallForward) {  // a small expert: in registers, no gathers
+      small_expert(x, mem, n_e, kk, keys, sc);
+      merge_block(x, mem, n_e, sc);
+      return;
+    }
+    for (int64_t i = 0; i < kk; ++i) {
+      std::copy(Kx + keys[i] * kr.st, Kx + keys[i] * kr.st + D, Ke + i * D);
+      std::copy(Vx + keys[i] * vr.st, Vx + keys[i] * vr.st + D, Ve + i * D);
+    }
+    for (int64_t i0 = 0; i0 < n_e; i0 += kQueryBlock) {
+      const int64_t nb = std::min(kQueryBlock, n_e - i0);
+      for (int64_t i = 0; i < nb; ++i) {
+        const T* src = qx(x) + (mem[i0 + i] / s) * qr.st;
+        std::copy(src, src + D, Qb + i * D);
+      }
+      gemm<T>(false, true, nb, kk, D, Qb, D, Ke, D, false, Sb, kk);
+      for (int64_t i = 0; i < nb; ++i) {
+        T* row = Sb + i * kk;
+        const auto [sm, rm] = exp_row(row, kk, scale);
+        scale_row(row, kk, T(1) / sm);
+        sc.w[i] = sm;
+        sc.a[i] = rm;
+      }
+      log_add(sc.w.data(), sc.a.data(), sc.lse.data(), nb);
+      gemm<T>(false, false, nb, D, kk, Sb, kk, Ve, D, false, Ob, D);
+      merge_block(x, mem + i0, nb, sc);
+    }
+  }
+
+  // The routed softmax of a small expert's nb queries (slots mem) over its kk keys, into sc.Ob and
+  // sc.lse: S^T = K_e Q^T (keys by index, queries packed as columns), a softmax down each column,
+  // out = P V_e (values by index).
+  void small_expert(int64_t x, const int64_t* mem, int64_t nb, int64_t kk, const int64_t* keys, Scratch& sc) const {
+    using V = Vectorized<T>;
+    const T* Kx = kx(x);
+    const T* Vx = vx(x);
+    T *Qt = sc.Qb.data(), *St = sc.Sb.data();
+    const int64_t ld = whole_vectors<T>(nb);  // no masked loads
+    if (Nk * D * int64_t(sizeof(T)) > kPrefetchAbove) {
+      for (int64_t i = 0; i < nb; ++i) prefetch_row(qx(x) + (mem[i] / s) * qr.st, D);
+      for (int64_t j = 0; j < kk; ++j) {
+        prefetch_row(Kx + keys[j] * kr.st, D);
+        prefetch_row(Vx + keys[j] * vr.st, D);
+      }
+    }
+    rows_as_columns<T>(nb, D, ld, scale, [&](int64_t i) { return qx(x) + (mem[i] / s) * qr.st; }, Qt);
+    small_gemm<T>(
+        kk, ld, D, [&](int64_t j) { return Kx + keys[j] * kr.st; }, 1, [&](int64_t d) { return Qt + d * ld; }, St,
+        ld);
+    for (int64_t i0 = 0; i0 < ld; i0 += V::size()) {  // the queries are the lanes
+      V mx(-std::numeric_limits<T>::infinity()), sum(T(0));
+      for (int64_t j = 0; j < kk; ++j) mx = at::vec::maximum(mx, V::loadu(St + j * ld + i0));
+      for (int64_t j = 0; j < kk; ++j) {
+        const V p = vexp(V::loadu(St + j * ld + i0) - mx);
+        p.store(St + j * ld + i0);
+        sum = sum + p;
+      }
+      const V inv = V(T(1)) / sum;
+      for (int64_t j = 0; j < kk; ++j) (V::loadu(St + j * ld + i0) * inv).store(St + j * ld + i0);
+      (mx + sum.log()).store(sc.lse.data() + i0);
+    }
+    small_gemm<T>(
+        nb, D, kk, [&](int64_t i) { return St + i; }, ld, [&](int64_t j) { return Vx + keys[j] * vr.st; }, sc.Ob.data(),
+        D);
+  }
+
+  // Merges a block of nb routed results (sc.Ob, sc.lse; slots mem) into out (s = 1) or keeps them.
+  void merge_block(int64_t x, const int64_t* mem, int64_t nb, Scratch& sc) const {
+    const T* Ob = sc.Ob.data();
+    if (s == 1) {  // out = lerp(out_shared, out_routed, sigmoid(lse_r - lse_shared)), lse_t = logaddexp
+      for (int64_t i = 0; i < nb; ++i) sc.a[i] = LSE[x * Nq + mem[i]];
+      sigmoid_logaddexp(sc.lse.data(), sc.a.data(), sc.w.data(), nb);  // w, and a <- lse_t
+      for (int64_t i = 0; i < nb; ++i) {
+        const int64_t t = mem[i];
+        LT[x * Nq + t] = sc.a[i];
+        T* o = ox(x) + t * outr.st;
+        const T* r = Ob + i * D;
+        const T wi = sc.w[i];
+        for (int64_t d = 0; d < D; ++d) o[d] += wi * (r[d] - o[d]);
+      }
+    } else {
+      for (int64_t i = 0; i < nb; ++i) {
+        const int64_t slot = mem[i];
+        std::copy(Ob + i * D, Ob + (i + 1) * D, RO + (x * Nq * s + slot) * D);
+        RL[x * Nq * s + slot] = sc.lse[i];
+      }
+    }
+  }
+
+  // s > 1: out and lse_t of queries xt0 .. xt1 (flat over heads) from softmax([lse_shared, lse_r1 .. lse_rs]).
+  void merge(int64_t xt0, int64_t xt1) const {
+    std::vector<T> w(s + 1);
+    for (int64_t xt = xt0; xt < xt1; ++xt) {
+      if (query_mask && !query_mask[(xt / (H * Nq)) * Nq + xt % Nq]) continue;
+      w[0] = LSE[xt];
+      std::copy(RL + xt * s, RL + (xt + 1) * s, w.begin() + 1);
+      const T wm = *std::max_element(w.begin(), w.end());
+      T ws = 0;
+      for (auto& a : w) ws += (a = std::exp(a - wm));
+      LT[xt] = wm + std::log(ws);
+      T* o = ox(xt / Nq) + (xt % Nq) * outr.st;
+      for (int64_t d = 0; d < D; ++d) {
+        T a = w[0] * o[d];
+        for (int64_t j = 0; j < s; ++j) a += w[j + 1] * RO[(xt * s + j) * D + d];
+        o[d] = a / ws;
+      }
+    }
+  }
+
+  void group(int64_t x) const {
+    group_by_expert(R + x * Nq * s, query_mask ? query_mask + (x / H) * Nq : nullptr, Nq, s, m, start + x * (m + 1),
+                    members + x * Nq * s);
+  }
+
+  void pool(int64_t x) const {
+    if (bins) pool_head(qx(x), qr.st, m, D, bins, L + x * m * D);
+  }
+
+  // Every phase of head x, in turn.
+  void head(int64_t x, Scratch& sc) const {
+    pool(x);
+    experts(x, 0, m, sc);
+    for (int64_t t0 = 0; t0 < Nq; t0 += kQueryBlock) gate(x, t0, std::min(kQueryBlock, Nq - t0), sc);
+    group(x);
+    for (int64_t e = 0; e < m; ++e) routed(x, e, sc);
+    if (s > 1) merge(x * Nq, (x + 1) * Nq);
+  }
+};
+
+template <typename T>
+void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& lm, Bins bins,
+                  const bool* key_mask, const bool* query_mask, int64_t topk, int64_t s, double scale_,
+                  double landmark_scale_, at::Tensor& out, at::Tensor& experts, at::Tensor& routes,
+                  at::Tensor& v_shared, at::Tensor& lse_a, at::Tensor& lse_t) {
+  const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), Nk = k.size(2), m = lm.size(2), X = B * H;
+  const auto opts = q.options();
+  at::Tensor lse_shared = at::empty({X, Nq}, opts);
+  at::Tensor count_t = at::empty({X, m + 1}, opts.dtype(at::kLong));
+  at::Tensor members_t = at::empty({X, Nq * s}, opts.dtype(at::kLong));
+  at::Tensor routed_out, routed_lse;  // s > 1: each (query, route) result, merged after
+  if (s > 1) {
+    routed_out = at::empty({X, Nq * s, D}, opts);
+    routed_lse = at::empty({X, Nq * s}, opts);
+  }
+  Forward<T> f{H, Nq, D, Hkv, Nk, m, H / Hkv, topk, s, static_cast<T>(scale_), static_cast<T>(landmark_scale_),
+               q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), Rows(q), Rows(k), Rows(v), Rows(out),
+               lm.data_ptr<T>(), bins, key_mask, query_mask,
+               out.data_ptr<T>(), v_shared.data_ptr<T>(), lse_a.data_ptr<T>(), lse_t.data_ptr<T>(),
+               lse_shared.data_ptr<T>(), s > 1 ? routed_out.data_ptr<T>() : nullptr,
+               s > 1 ? routed_lse.data_ptr<T>() : nullptr, experts.data_ptr<int64_t>(), routes.data_ptr<int64_t>(),
+               count_t.data_ptr<int64_t>(), members_t.data_ptr<int64_t>(), std::vector<int64_t>(B, Nk)};
+  if (key_mask)
+    for (int64_t b = 0; b < B; ++b) f.n_real[b] = std::count(key_mask + b * Nk, key_mask + (b + 1) * Nk, true);
+
+  const int64_t threads = at::get_num_threads();
+  if ((Nq + 2 * Nk) * D * int64_t(sizeof(T)) <= kSmallHead && X >= threads) {
+    at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
+      const SingleThreadedBlas blas;
+      typename Forward<T>::Scratch sc(f, m);
+      for (int64_t x = begin; x < end; ++x) f.head(x, sc);
+    });
+    return;
+  }
+  // Large heads: each phase split across the threads (landmark rows, query blocks, experts).
+  if (bins) at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t x = begin; x < end; ++x) f.pool(x);
+    });
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>((threads + X - 1) / X, m / 16));
+  const int64_t rows = (m + chunks - 1) / chunks;
+  at::parallel_for(0, X * chunks, 1, [&](int64_t begin, int64_t end) {
+    const SingleThreadedBlas blas;
+    typename Forward<T>::Scratch sc(f, rows);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t x = item / chunks, r0 = (item % chunks) * rows, nr = std::min(rows, m - r0);
+      if (nr > 0) f.experts(x, r0, nr, sc);
+    }
+  });
+  // Items ordered (batch, query block, head): out is (B, N, H, D) in memory, so each thread writes
+  // (and first touches) a range of out of its own instead of every thread every page.
+  const int64_t qblocks = (Nq + kQueryBlock - 1) / kQueryBlock;
+  at::parallel_for(0, X * qblocks, 1, [&](int64_t begin, int64_t end) {
+    const SingleThreadedBlas blas;
+    typename Forward<T>::Scratch sc(f, 1);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / (qblocks * H), t0 = (item / H % qblocks) * kQueryBlock, x = b * H + item % H;
+      f.gate(x, t0, std::min(kQueryBlock, Nq - t0), sc);
+    }
+  });
+  at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t x = begin; x < end; ++x) f.group(x);
+  });
+  at::parallel_for(0, X * m, 1, [&](int64_t begin, int64_t end) {
+    const SingleThreadedBlas blas;
+    typename Forward<T>::Scratch sc(f, 1);
+    for (int64_t item = begin; item < end; ++item) f.routed(item / m, item % m, sc);
+  });
+  if (s > 1) at::parallel_for(0, X * Nq, 256, [&](int64_t begin, int64_t end) { f.merge(begin, end); });
+}
+
+}  // namespace

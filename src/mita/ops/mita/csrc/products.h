@@ -1,0 +1,231 @@
+// Matrix products: the BLAS and brgemm calls (gemm), and register tiles for products too small for them.
+// Part of the fused MiTA CPU kernel (fused_cpu.cpp, one translation unit; see README.md here).
+
+#pragma once
+
+#include "vec.h"
+
+namespace {
+
+// Products too small for a BLAS call to pay for itself (an expert of a few queries at vision
+// sizes): C (M x N) = sum_l A(i, l) * row_l(B) (+ C when `add`), where A(i, l) = a(i)[l * as]
+// and b(l) points to row l of B, so that either operand is read in place, transposed or
+// gathered by index, without copies. Register tiles of R rows by NV vectors, A broadcast.
+template <typename T, int R, int NV, bool Full, typename AF, typename BF>
+void small_tile(int64_t i0, int64_t j0, int64_t K, int64_t last, const AF& a, int64_t as, const BF& b, T* C,
+                int64_t ldc, bool add) {
+  using V = Vectorized<T>;
+  // U partial sums over l per output vector, so that a narrow tile (a leftover row) has enough
+  // independent multiply-add chains in flight: with one chain each step waits the FMA's latency.
+  constexpr int U = Full ? std::max(1, 8 / (R * NV)) : 1;
+  V c[U][R][NV];
+  const T* ap[R];
+  for (int r = 0; r < R; ++r) ap[r] = a(i0 + r);
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) c[u][r][v] = V(T(0));
+  int64_t l = 0;
+  for (; l + U <= K; l += U)
+    for (int u = 0; u < U; ++u) {
+      const T* row = b(l + u) + j0;
+      V bv[NV];
+      for (int v = 0; v < NV; ++v)
+        bv[v] = !Full && v == NV - 1 ? V::loadu(row + v * V::size(), last) : V::loadu(row + v * V::size());
+      for (int r = 0; r < R; ++r) {
+        const V av(ap[r][(l + u) * as]);
+        for (int v = 0; v < NV; ++v) c[u][r][v] = at::vec::fmadd(av, bv[v], c[u][r][v]);
+      }
+    }
+  for (; l < K; ++l) {  // the last K % U steps (U > 1 only where the last vector is whole)
+    const T* row = b(l) + j0;
+    for (int r = 0; r < R; ++r) {
+      const V av(ap[r][l * as]);
+      for (int v = 0; v < NV; ++v) c[0][r][v] = at::vec::fmadd(av, V::loadu(row + v * V::size()), c[0][r][v]);
+    }
+  }
+  for (int u = 1; u < U; ++u)
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) c[0][r][v] = c[0][r][v] + c[u][r][v];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) {
+      T* p = C + (i0 + r) * ldc + j0 + v * V::size();
+      const int64_t n = v == NV - 1 ? last : V::size();
+      const V out = add ? c[0][r][v] + V::loadu(p, n) : c[0][r][v];
+      out.store(p, n);
+    }
+}
+
+// small_tile with `last` fixed where it can be: a tile whose last vector is whole (every product
+// of D = 64, and the lane-padded query columns) has no partial load in its loop, which let the
+// compiler keep the accumulators in registers (measured 4-5% off the forward at N = 197, 1,025).
+template <typename T, int R, int NV, typename AF, typename BF>
+void small_tile_any(int64_t i0, int64_t j0, int64_t K, int64_t last, const AF& a, int64_t as, const BF& b, T* C,
+                    int64_t ldc, bool add) {
+  if (last == Vectorized<T>::size())
+    small_tile<T, R, NV, true>(i0, j0, K, last, a, as, b, C, ldc, add);
+  else
+    small_tile<T, R, NV, false>(i0, j0, K, last, a, as, b, C, ldc, add);
+}
+
+template <typename T, int R, typename AF, typename BF>
+void small_rows(int64_t nv, int64_t i0, int64_t j0, int64_t K, int64_t last, const AF& a, int64_t as, const BF& b,
+                T* C, int64_t ldc, bool add) {
+  switch (nv) {
+    case 1: return small_tile_any<T, R, 1>(i0, j0, K, last, a, as, b, C, ldc, add);
+    case 2: return small_tile_any<T, R, 2>(i0, j0, K, last, a, as, b, C, ldc, add);
+    case 3: return small_tile_any<T, R, 3>(i0, j0, K, last, a, as, b, C, ldc, add);
+    default: return small_tile_any<T, R, 4>(i0, j0, K, last, a, as, b, C, ldc, add);
+  }
+}
+
+template <typename T, typename AF, typename BF>
+void small_gemm(int64_t M, int64_t N, int64_t K, const AF& a, int64_t as, const BF& b, T* C, int64_t ldc,
+                bool add = false) {
+  constexpr int64_t W = Vectorized<T>::size();
+  for (int64_t j0 = 0; j0 < N; j0 += 4 * W) {
+    const int64_t nv = std::min<int64_t>(4, (N - j0 + W - 1) / W), last = std::min(W, N - j0 - (nv - 1) * W);
+    int64_t i0 = 0;
+    if (nv == 1)  // one vector a row: 8 rows keep 8 independent multiply-add chains in flight
+      for (; i0 + 8 <= M; i0 += 8) small_tile_any<T, 8, 1>(i0, j0, K, last, a, as, b, C, ldc, add);
+    for (; i0 + 4 <= M; i0 += 4) small_rows<T, 4>(nv, i0, j0, K, last, a, as, b, C, ldc, add);
+    if (M - i0 >= 2) {
+      small_rows<T, 2>(nv, i0, j0, K, last, a, as, b, C, ldc, add);
+      i0 += 2;
+    }
+    if (M - i0 == 1) small_rows<T, 1>(nv, i0, j0, K, last, a, as, b, C, ldc, add);
+  }
+}
+
+// Asks for a row gathered by index (an expert's keys, values, queries) ahead of its use: the
+// hardware prefetcher cannot guess such rows (4-5% off the forward at N = 1,025 on the EPYC VM, 2%
+// on the Xeon; in the backward, whose gathers are copies, it measured no gain). Only for heads
+// whose keys take more than kPrefetchAbove bytes: at N = 197 (50 KB, the rows mostly still in L1
+// from phase A) the forward ran 2-3% faster without.
+constexpr int64_t kPrefetchAbove = int64_t(1) << 17;
+template <typename T>
+inline void prefetch_row(const T* row, int64_t D) {
+  for (int64_t c = 0; c < D; c += 64 / int64_t(sizeof(T))) __builtin_prefetch(row + c);
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// 16 vectors of 16 floats transposed in registers, r[i][j] <- r[j][i]: the off-diagonal b x b
+// blocks swapped for b = 8, 4, 2, 1, each step 16 two-source permutes.
+inline void transpose_block(Vectorized<float> r[16]) {
+  constexpr auto table = [](int b, bool high) {
+    std::array<int32_t, 16> t{};
+    for (int L = 0; L < 16; ++L) {
+      const int g = L / (2 * b) * 2 * b, p = L % (2 * b);
+      t[L] = high ? (p < b ? g + p + b : 16 + g + p) : (p < b ? g + p : 16 + g + p - b);
+    }
+    return t;
+  };
+  static constexpr std::array<std::array<int32_t, 16>, 8> idx = {table(8, false), table(8, true), table(4, false),
+                                                                  table(4, true),  table(2, false), table(2, true),
+                                                                  table(1, false), table(1, true)};
+  for (int s = 0, b = 8; b >= 1; ++s, b /= 2) {
+    const __m512i lo = _mm512_loadu_si512(idx[2 * s].data()), hi = _mm512_loadu_si512(idx[2 * s + 1].data());
+    for (int i = 0; i < 16; ++i)
+      if (!(i & b)) {
+        const __m512 a = r[i], c = r[i + b];
+        r[i] = _mm512_permutex2var_ps(a, lo, c);
+        r[i + b] = _mm512_permutex2var_ps(a, hi, c);
+      }
+  }
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+// 8 vectors of 8 floats transposed in registers, r[i][j] <- r[j][i]: pairs of rows interleaved,
+// then pairs of pairs (columns c and c + 4 of four rows), then the 128-bit halves exchanged.
+inline void transpose_block(Vectorized<float> r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4)
+    for (int j = 0; j < 2; ++j) {
+      u[i + 2 * j] = _mm256_shuffle_ps(t[i + j], t[i + j + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      u[i + 2 * j + 1] = _mm256_shuffle_ps(t[i + j], t[i + j + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(u[c], u[c + 4], 0x20);
+    r[c + 4] = _mm256_permute2f128_ps(u[c], u[c + 4], 0x31);
+  }
+}
+#endif
+
+// Qt (D x ld) = scale * the rows row(0 .. nb) as its columns, columns nb .. ld zero (a small
+// expert's queries as lanes; an operand of gemm transposed). With AVX-512 or AVX2 by square blocks
+// transposed in registers (a partial block's missing rows loaded as zeros, its missing columns not
+// stored): the element-wise stores were a fifth of the routed phase at N = 197.
+template <typename T, typename RF>
+void rows_as_columns(int64_t nb, int64_t D, int64_t ld, T scale, const RF& row, T* Qt) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<T, float>) {
+    using V = Vectorized<float>;
+    constexpr int W = V::size();
+    const V vs(scale);
+    for (int64_t i0 = 0; i0 < ld; i0 += W) {
+      const T* rp[W];
+      for (int i = 0; i < W; ++i) rp[i] = i0 + i < nb ? row(i0 + i) : nullptr;
+      for (int64_t d0 = 0; d0 < D; d0 += W) {
+        const int64_t n = std::min<int64_t>(W, D - d0);
+        V r[W];
+        for (int i = 0; i < W; ++i)
+          r[i] = rp[i] ? (n == W ? V::loadu(rp[i] + d0) : V::loadu(rp[i] + d0, n)) * vs : V(0.f);
+        transpose_block(r);
+        for (int c = 0; c < n; ++c) r[c].store(Qt + (d0 + c) * ld + i0);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < D; ++d) std::fill(Qt + d * ld + nb, Qt + (d + 1) * ld, T(0));
+  for (int64_t i = 0; i < nb; ++i) {
+    const T* q = row(i);
+    for (int64_t d = 0; d < D; ++d) Qt[d * ld + i] = scale * q[d];
+  }
+}
+
+// Row-major C (M x N) = op(A) op(B) (+ C when `add`), op(A) is M x K, op(B) is K x N. Floats go
+// to ATen's brgemm (oneDNN's JIT micro-kernels where the CPU has them, else the BLAS), a transposed
+// operand first transposed into scratch: on AMD Zen 5 it ran these products 2.4-3.5x faster than
+// MKL's sgemm, which takes its AVX2 code on AMD CPUs (single calls, one thread, the shapes of N = 197
+// to 16,384). Doubles (and floats with a torch older than float brgemm) go to the BLAS that
+// libtorch_cpu links, which as column-major sees the transposes: C^T = op(B)^T op(A)^T.
+template <typename T>
+void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb,
+          bool add, T* C, int64_t ldc) {
+  if (M == 0 || N == 0) return;
+#if defined(CPUBLAS_BRGEMM_F32F32F32)
+  if constexpr (std::is_same_v<T, float>) {
+    thread_local std::vector<float> a_t, b_t;
+    // X (rows x cols, row stride ld) as its transpose in buf; ld becomes the transpose's row stride.
+    const auto transposed = [](const float* X, int64_t rows, int64_t cols, int64_t& ld, std::vector<float>& buf) {
+      const int64_t out = whole_vectors<float>(rows);
+      buf.resize(cols * out);
+      rows_as_columns(rows, cols, out, 1.f, [&](int64_t i) { return X + i * ld; }, buf.data());
+      ld = out;
+      return static_cast<const float*>(buf.data());
+    };
+    if (ta) A = transposed(A, K, M, lda, a_t);  // A is stored K x M
+    if (tb) B = transposed(B, N, K, ldb, b_t);  // B is stored N x K
+    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, A, B, C, false);
+    return;
+  }
+#endif
+  const char a = ta ? 'T' : 'N', b = tb ? 'T' : 'N';
+  const int m = N, n = M, k = K, la = ldb, lb = lda, lc = ldc;
+  const T one = 1, beta = add ? 1 : 0;
+  if constexpr (std::is_same_v<T, float>) {
+    sgemm_(&b, &a, &m, &n, &k, &one, B, &la, A, &lb, &beta, C, &lc);
+  } else {
+    dgemm_(&b, &a, &m, &n, &k, &one, B, &la, A, &lb, &beta, C, &lc);
+  }
+}
+
+// Up to this many multiply-adds (queries x keys x D) an expert's products skip BLAS: in the
+// forward up to 2^20 (2^17: 2-9% slower at N = 1,025-4,096; no limit: 1.5-1.8% slower at 16,384 and
+// 65,536), in the backward up to 2^17 (2^19: 9% slower at N = 4,096).
+constexpr int64_t kSmallForward = int64_t(1) << 20, kSmallBackward = int64_t(1) << 17;
+
+}  // namespace

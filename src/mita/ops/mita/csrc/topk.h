@@ -1,0 +1,205 @@
+// Selection: the streaming top-k of a row (ties to the lower index) and the grouping of queries by expert.
+// Part of the fused MiTA CPU kernel (fused_cpu.cpp, one translation unit; see README.md here).
+
+#pragma once
+
+#include "vec.h"
+
+namespace {
+
+// A signed integer key with the order of the floating-point values (-0 as +0; NaN of either sign
+// at an end). The least key, INT_MIN, marks padded keys: real ones are clamped above it.
+inline int32_t order_key(float f) {
+  f += 0.0f;  // -0 + 0 = +0: equal scores must tie, as in torch.topk
+  int32_t i;
+  std::memcpy(&i, &f, sizeof i);
+  return std::max(i >= 0 ? i : i ^ 0x7fffffff, std::numeric_limits<int32_t>::min() + 1);
+}
+inline int64_t order_key(double f) {
+  f += 0.0;
+  int64_t i;
+  std::memcpy(&i, &f, sizeof i);
+  return std::max(i >= 0 ? i : i ^ 0x7fffffffffffffff, std::numeric_limits<int64_t>::min() + 1);
+}
+
+// Top-k of one row, streamed block by block, by threshold selection: keys above the current
+// k-th best join a candidate buffer, which is cut back to its k best when full (and at the
+// end). The cut finds the k-th largest key by bisection on its bits, each step one vectorised
+// count, so a row costs a few passes over its keys and no unpredictable branches; once the
+// buffer holds good keys, most chunks of a long row are skipped by one vector comparison.
+// Ties keep the lower index (candidates stay in index order).
+template <typename T>
+struct TopK {
+  using S = std::conditional_t<std::is_same_v<T, float>, int32_t, int64_t>;
+  using U = std::make_unsigned_t<S>;
+  static constexpr S kPadded = std::numeric_limits<S>::min();
+  S* key;          // cap candidates' keys, in index order (and room to pad to whole vectors)
+  int32_t* index;  // and their key indices
+  int64_t k = 0, cap = 0, size = 0;
+  S floor = kPadded;  // a candidate needs a key above it
+
+  // Offer keys j0 .. j0+n-1 with scores x; `real` (or null) marks the keys that take part.
+  // `scratch` holds n keys.
+  void offer(const T* x, int64_t n, int64_t j0, const bool* real, S* scratch) {
+    for (int64_t j = 0; j < n; ++j) scratch[j] = order_key(x[j]);
+    if (real)
+      for (int64_t j = 0; j < n; ++j) scratch[j] = real[j] ? scratch[j] : kPadded;
+    constexpr int64_t W = 16;
+    for (int64_t c = 0; c < n; c += W) {
+      const int64_t e = std::min(n, c + W);
+      S top = kPadded, low = std::numeric_limits<S>::max();
+      for (int64_t j = c; j < e; ++j) {
+        top = std::max(top, scratch[j]);
+        low = std::min(low, scratch[j]);
+      }
+      if (top <= floor) continue;  // the common case once the buffer holds good keys
+      if (size + W > cap) cut();   // full: keep the k best, raising the floor
+      if (low > floor) {           // every key of the chunk is a candidate (a row's first keys)
+        std::copy(scratch + c, scratch + e, key + size);
+        for (int64_t j = c; j < e; ++j) index[size + j - c] = static_cast<int32_t>(j0 + j);
+        size += e - c;
+        continue;
+      }
+      S* const kp = key;
+      int32_t* const ip = index;
+      const S lo = floor;
+      int64_t sz = size;
+      for (int64_t j = c; j < e; ++j) {
+        kp[sz] = scratch[j];
+        ip[sz] = static_cast<int32_t>(j0 + j);
+        sz += scratch[j] > lo;
+      }
+      size = sz;
+    }
+  }
+
+  // How many of the n keys are >= t; kp holds padded keys up to a whole number of vectors.
+  static int64_t count_at_least(const S* kp, int64_t n, S t) {
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (sizeof(S) == 4) {  // masks counted, no vector summed: 2-4% off the forward at N = 197, 1,025
+      const __m512i vt = _mm512_set1_epi32(t);
+      int64_t count = 0;
+      for (int64_t i = 0; i < n; i += 16)
+        count += __builtin_popcount(_mm512_cmpge_epi32_mask(_mm512_loadu_si512(kp + i), vt));
+      return count;
+    }
+#endif
+    using V = Vectorized<S>;
+    const V vt(t);
+    V acc(S(0));
+    for (int64_t i = 0; i < n; i += V::size()) acc = acc - (V::loadu(kp + i) >= vt);  // true lanes are -1
+    S lanes[V::size()];
+    acc.store(lanes);
+    return std::accumulate(lanes, lanes + V::size(), int64_t(0));
+  }
+
+  // Keep the k best candidates, in index order; `floor` becomes the least kept key.
+  void cut() {
+    if (size <= k) return;
+    S* const kp = key;
+    int32_t* const ip = index;
+    const int64_t n = size;
+    std::fill(kp + n, kp + whole_vectors<S>(n), kPadded);
+    // The k-th largest key, bit by bit from the top in the unsigned order (u = key ^ min).
+    U tau = 0;
+    int64_t at_least = n;  // keys >= tau's key
+    for (int bit = 8 * sizeof(U) - 1; bit >= 0; --bit) {
+      const U t = tau | (U(1) << bit);
+      const int64_t c = count_at_least(kp, n, static_cast<S>(t ^ U(kPadded)));
+      if (c >= k) {
+        tau = t;
+        at_least = c;
+        if (c == k) break;  // exactly k keys >= t: they are the k best
+      }
+    }
+    const S th = static_cast<S>(tau ^ U(kPadded));
+    int64_t kept = 0;
+    S least = std::numeric_limits<S>::max();
+    if (at_least == k) {  // the common case: exactly the keys >= th (branch-free, as which survive is data-dependent)
+      int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+      if constexpr (sizeof(S) == 4) {  // 16 at a time: the survivors of each vector packed by one compress
+        const __m512i vth = _mm512_set1_epi32(th);
+        __m512i low = _mm512_set1_epi32(std::numeric_limits<int32_t>::max());
+        for (; i + 16 <= n; i += 16) {  // kept <= i: the stores reach no key not yet loaded
+          const __m512i u = _mm512_loadu_si512(kp + i), ix = _mm512_loadu_si512(ip + i);
+          const __mmask16 keep = _mm512_cmpge_epi32_mask(u, vth);
+          _mm512_storeu_si512(kp + kept, _mm512_maskz_compress_epi32(keep, u));
+          _mm512_storeu_si512(ip + kept, _mm512_maskz_compress_epi32(keep, ix));
+          low = _mm512_mask_min_epi32(low, keep, low, u);
+          kept += __builtin_popcount(keep);
+        }
+        least = _mm512_reduce_min_epi32(low);
+      }
+#endif
+      for (; i < n; ++i) {
+        const S u = kp[i];
+        const bool keep = u >= th;
+        kp[kept] = u;
+        ip[kept] = ip[i];
+        kept += keep;
+        least = std::min(least, keep ? u : least);
+      }
+    } else {  // keys equal to th beyond the k-th: the first ones (lower indices) stay
+      int64_t ties = k - (at_least - std::count(kp, kp + n, th));
+      for (int64_t i = 0; i < n; ++i) {
+        const S u = kp[i];
+        const bool tie = u == th, keep = u > th || (tie && ties > 0);
+        ties -= tie & keep;
+        kp[kept] = u;
+        ip[kept] = ip[i];
+        kept += keep;
+        least = std::min(least, keep ? u : least);
+      }
+    }
+    size = kept;
+    floor = least;
+  }
+
+  // The kept key indices, best first (like torch.topk(sorted=True)), into out. (key, index) are
+  // packed into one unsigned integer each (float keys), all distinct, so each one's place is the
+  // number of others above it: k^2 comparisons, vectorised and branch-free, beat a sort's
+  // mispredicted branches at the k of vision and LRA models (measured at k = 49: an insertion
+  // sort was a fifth of the top-k phase); a sort above 256.
+  void sorted_indices(int64_t* out) {
+    cut();
+    if constexpr (sizeof(S) == 4) {
+      std::vector<uint64_t> packed(size);  // higher = better: key, then the lower index
+      for (int64_t i = 0; i < size; ++i)
+        packed[i] = (uint64_t(uint32_t(key[i]) ^ 0x80000000u) << 32) | (0xffffffffu - uint32_t(index[i]));
+      if (size <= 256) {
+        for (int64_t i = 0; i < size; ++i) {
+          int64_t place = 0;
+          for (int64_t j = 0; j < size; ++j) place += packed[j] > packed[i];
+          out[place] = 0xffffffffu - uint32_t(packed[i]);
+        }
+      } else {
+        std::sort(packed.begin(), packed.end(), std::greater<>());
+        for (int64_t i = 0; i < size; ++i) out[i] = 0xffffffffu - uint32_t(packed[i]);
+      }
+    } else {
+      std::vector<std::pair<S, int32_t>> v(size);
+      for (int64_t i = 0; i < size; ++i) v[i] = {key[i], -index[i]};
+      std::sort(v.begin(), v.end(), std::greater<>());
+      for (int64_t i = 0; i < size; ++i) out[i] = -v[i].second;
+    }
+  }
+};
+
+// Counting sort of one head's (query, route) pairs by expert: members[start[e] .. start[e + 1])
+// holds t * s + j for each query t routed to expert e as its j-th route, in query order.
+// Padded queries take no part.
+void group_by_expert(const int64_t* routes, const bool* qm, int64_t Nq, int64_t s, int64_t m, int64_t* start,
+                     int64_t* members) {
+  std::fill(start, start + m + 1, 0);
+  for (int64_t t = 0; t < Nq; ++t)
+    if (!qm || qm[t])
+      for (int64_t j = 0; j < s; ++j) ++start[routes[t * s + j] + 1];
+  for (int64_t e = 0; e < m; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> fill(start, start + m);
+  for (int64_t t = 0; t < Nq; ++t)
+    if (!qm || qm[t])
+      for (int64_t j = 0; j < s; ++j) members[fill[routes[t * s + j]]++] = t * s + j;
+}
+
+}  // namespace
