@@ -220,7 +220,9 @@ def plot(rows: Sequence[Row], out_dir: Path, baseline: str) -> list[Path]:
     from matplotlib.lines import Line2D
 
     modes = [m for m in ("fwd", "fwdbwd") if any(r["mode"] == m for r in rows)]
-    colors = {s: f"C{i % 10}" for i, s in enumerate(dict.fromkeys(r["series"] for r in rows))}
+    names = list(dict.fromkeys(r["series"] for r in rows))
+    colors = {s: f"C{i % 10}" for i, s in enumerate(names)}
+    markers = {s: "os^Dv"[i // 10 % 5] for i, s in enumerate(names)}  # past ten series the colours repeat
     lengths = sorted({int(r["n"]) for r in rows})
     specs = {
         "time.png": ("median time per call (s)", lambda r: num(r["median_s"]), None),
@@ -229,11 +231,12 @@ def plot(rows: Sequence[Row], out_dir: Path, baseline: str) -> list[Path]:
     }
     paths = []
     for name, (ylabel, value, dashed) in specs.items():
-        fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.8), squeeze=False)
+        width = 6.5 + (1.8 if len(names) > 8 else 0)
+        fig, axes = plt.subplots(1, len(modes), figsize=(width * len(modes), 4.8), squeeze=False)
         for ax, mode in zip(axes[0], modes):
             for series, pts in _series(rows, mode, value).items():
                 if not (name == "speedup.png" and series == baseline):
-                    ax.plot(*zip(*pts), "o-", color=colors[series], label=series)
+                    ax.plot(*zip(*pts), "-", marker=markers[series], color=colors[series], label=series)
             extra = _series(rows, mode, dashed) if dashed else {}
             if name == "speedup.png":
                 for series, pts in extra.items():
@@ -248,7 +251,10 @@ def plot(rows: Sequence[Row], out_dir: Path, baseline: str) -> list[Path]:
             ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
             ax.set(xlabel="sequence length N", ylabel=ylabel, title=_TITLES[mode])
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7, loc="best")
+            if len(names) > 8:  # beside the panel: inside it would hide the lines
+                ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+            else:
+                ax.legend(fontsize=7, loc="best")
         r = rows[0]
         fig.suptitle(f"B={r['batch']}, H={r['heads']}, D={r['head_dim']}, {r['dtype']}, {r['device']}", fontsize=10)
         fig.tight_layout()
