@@ -226,10 +226,12 @@ def test_recall_data_outside_the_vocabulary_or_its_folder_is_refused(tmp_path, c
     assert "names the split '../x'" in one_line(capsys.readouterr().err)
 
 
-def _subprocess_train(tmp_path, data_dir, out, config, **popen):
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}  # runs compared bitwise must use the same threads
+
+
+def _subprocess_train(tmp_path, data_dir, out, config, env=ONE_THREAD, **popen):
     cmd = [sys.executable, "-m", "mita_experiments", "lra", "train", "--task", "listops", "--config", str(config)]
     cmd += ["--data", str(data_dir), "--out", str(out), *QUIET]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return cmd, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, **popen)
 
 
@@ -253,10 +255,11 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130_with_one_line(tmp_path, data_di
     step = torch.load(out / "checkpoint.pt", weights_only=True)["step"]
     assert 0 < step < 3000
     more = ["--set", f"train.steps={step + 3}"]
-    assert subprocess.run([*cmd, "--resume", *more], capture_output=True).returncode == 0
+    assert subprocess.run([*cmd, "--resume", *more], capture_output=True, env=ONE_THREAD).returncode == 0
     short = tmp_path / "short.json"
     short.write_text(json.dumps({**LRA, "train": {**train, "steps": step + 3}}))
-    assert lra_train(tmp_path, data_dir, tmp_path / "full", config=short) == 0
+    _, full = _subprocess_train(tmp_path, data_dir, tmp_path / "full", short)
+    assert full.communicate(timeout=300)[0] is None and full.returncode == 0
     a = torch.load(out / "checkpoint.pt", weights_only=True)["model"]
     b = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
