@@ -36,11 +36,6 @@ KNOWN_GRIFFE_WARNINGS = {
     ("src/mita/layers/base.py", "Parameter 'device, dtype' does not appear in the function signature"),
     ("src/mita/layers/mita.py", "No type or annotation for parameter '*args, **kwargs'"),
     ("src/mita/layers/mita.py", "Parameter '*args, **kwargs' does not appear in the function signature"),
-    ("experiments/src/mita_experiments/trainer/loop.py", "No type or annotation for parameter 'collate, workers'"),
-    (
-        "experiments/src/mita_experiments/trainer/loop.py",
-        "Parameter 'collate, workers' does not appear in the function signature",
-    ),
 }
 _GRIFFE = re.compile(r"(?:griffe: )?(\S+?):\d+: (.+)", re.S)
 _seen: set[tuple[str, str]] = set()

@@ -137,7 +137,8 @@ def evaluate(
         precision: "fp32", "bf16" or "fp16" autocast (default "fp32").
         max_samples: evaluate the first this many samples (default: all).
         metrics: the names of ``Scores.metrics`` to report (default ("accuracy",)).
-        collate, workers: as :class:`Task`'s.
+        collate: as :class:`Task`'s ``collate``.
+        workers: as :class:`Task`'s ``workers``.
         seed: seeds the RNGs before each batch is fetched (default 0).
     """
     ctx = ctx or Dist()
