@@ -40,10 +40,6 @@ MITA_EXTRA_OF = {"timm": "timm", "transformers": "hf"}
 OPTIONAL = {"triton", "flash_attn"}
 #: experiment packages named like an extra of mita-experiments, whose imports that extra must declare
 EXPERIMENT_EXTRA = {"lra": "lra", "vision": "vision", "video": "video"}
-#: (experiment package, import) that an extra brings only through a dependency, and why that holds
-INDIRECT = {
-    ("vision", "PIL"): "pillow comes with matplotlib (a dependency of mita-experiments) and torchvision ([vision])",
-}
 #: import names whose distribution is named otherwise, for packages not installed here
 KNOWN_DISTS = {"PIL": "pillow", "sklearn": "scikit-learn", "yaml": "pyyaml", "flash_attn": "flash-attn"}
 DATA_SUFFIXES = (".json", ".cpp", ".cc", ".c", ".h", ".hpp", ".cuh", ".cu", ".txt", ".yaml", ".yml", ".csv")
@@ -297,7 +293,7 @@ def test_experiment_imports_are_declared():
             where = f"{py.relative_to(ROOT)}:{line}: {top} ({', '.join(sorted(_dists_of(top)))})"
             if not _dists_of(top) & everything:
                 problems.append(f"{where} is declared by neither mita-experiments' dependencies nor an extra")
-            elif area in EXPERIMENT_EXTRA and (area, top) not in INDIRECT:
+            elif area in EXPERIMENT_EXTRA:
                 extra = EXPERIMENT_EXTRA[area]
                 if not _dists_of(top) & _declared("mita-experiments", {extra}):
                     problems.append(f"{where}: mita_experiments.{area} needs it, mita-experiments[{extra}] lacks it")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 import torch
 
@@ -85,8 +88,9 @@ def test_swap_on_moving_digits(tmp_path, clips):
 
 
 def test_swap_configs_fit_the_video_grid():
-    for config in experiments.swap_configs(vx.VIDEO_OPTIONS, vx.SWAP_EXTRA):
-        convert(vx.make_video_vit(DigitsSetup(**TINY)), config)  # every default config builds on the (4, 8, 8) grid
+    configs = experiments.swap_configs(vx.VIDEO_OPTIONS, vx.SWAP_EXTRA)
+    experiments.check_attentions(vx.MOVING_DIGITS, DigitsSetup(**TINY), configs, "--attention")  # each runs
+    assert vx.VIDEO_OPTIONS["agent"] == {"num_agents": 8} and vx.VIDEO_OPTIONS["nystrom"] == {"num_landmarks": 32}
 
 
 def test_robustness_on_moving_digits(tmp_path, clips):
@@ -97,7 +101,7 @@ def test_robustness_on_moving_digits(tmp_path, clips):
     assert result["grid"].shape == (2, 2) and (tmp_path / "robustness.png").exists()
     model = vx.make_video_vit(setup)
     assert all(isinstance(m, MiTAAttention) for m in experiments.mita_layers(model))
-    with pytest.raises(ValueError, match="perfect cubes"):
+    with pytest.raises(ValueError, match="perfect cube"):
         experiments.run_robustness(tmp_path, setup, (4,), (8,), "cmd", log=quiet, data=clips, task=vx.MOVING_DIGITS)
 
 
@@ -111,6 +115,26 @@ def test_video_flops_row():
     assert tiny["N"] == 8 and tiny["MiTA GFLOPs (counted impl)"] > 0
 
 
-def test_cli_refuses_landmarks_off_the_grid(tmp_path, capsys):
-    assert main(["video", "robustness", "--m", "4", "--epochs", "1", "--out", str(tmp_path)]) == 2
-    assert "perfect cubes" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (
+            ["swap", "--attention", "mita"],
+            r"--attention mita: num_landmarks=\d+ with a 3-D grid must be a perfect cube",
+        ),
+        (["swap", "--attention", "sdpa", "mhla:num_blocks=16"], "--attention mhla:num_blocks=16: .*perfect cube"),
+        (["robustness", "--m", "4"], "--m/--k give mita:num_landmarks=4,topk=4: .*perfect cube"),
+    ],
+    ids=["swap-mita-default", "swap-mhla", "robustness-m"],
+)
+def test_cli_refuses_options_off_the_grid_before_any_work(tmp_path, capsys, monkeypatch, argv, match):
+    """Each attention is checked on the (4, 8, 8) grid before the clips are made or a model trained."""
+
+    def nothing(*args, **kwargs):
+        raise AssertionError("data made or a model trained before the attentions were checked")
+
+    monkeypatch.setattr(experiments, "train", nothing)
+    monkeypatch.setattr(vx, "MOVING_DIGITS", dataclasses.replace(vx.MOVING_DIGITS, load=nothing))
+    assert main(["video", *argv, "--epochs", "1", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(match, err), err

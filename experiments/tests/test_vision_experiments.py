@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict
 
 import pytest
@@ -65,6 +66,43 @@ def test_swap_configs_cover_the_registry_and_fit_the_digits_grid():
     assert {c.partition(":")[0] for c in configs} == set(experiments.registry.names())
     for config in configs:
         assert convert(digits.make_vit(DigitsSetup(**TINY)), config)(torch.randn(1, 1, 32, 32)).shape == (1, 10)
+    experiments.check_attentions(experiments.DIGITS, DigitsSetup(**TINY), configs, "--attention")
+
+
+def test_sized_options_size_every_method_of_one_length():
+    options = experiments.sized_options(landmarks=9, topk=20, block_size=8, window=4, nystrom=12)
+    assert options["mita"] == options["mita_routed"] == {"num_landmarks": 9, "topk": 20}
+    assert options["mita_shared"] is not options["mita"]  # one table's entries are not each other's
+    assert (options["agent"], options["mhla"], options["topk"]) == ({"num_agents": 9}, {"num_blocks": 9}, {"topk": 20})
+    assert options["nystrom"] == {"num_landmarks": 12}
+    assert options["nsa"] == {"block_size": 8, "topk": 2, "window": 4} and options["moba"]["block_size"] == 8
+    assert experiments.sized_options(16, 16, 8, 4)["nystrom"] == {"num_landmarks": 16}
+    assert set(options) <= set(experiments.registry.names())
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["swap", "--attention", "sdpa", "mita:num_landmarks=5,topk=4"], "--attention mita:num_landmarks=5,topk=4: "),
+        (["swap", "--attention", "agent:num_agents=7"], "num_agents=7 with a 2-D grid must be a perfect square"),
+        (["swap", "--attention", "nope"], "--attention nope: .*not a registered"),
+        (["robustness", "--m", "4", "5"], "--m/--k give mita:num_landmarks=5,topk=1: .*perfect square"),
+        (["robustness", "--k", "0"], "topk must be an int >= 1, got 0"),
+        (["robustness", "--train-attention", "mita:num_landmarks=3,topk=4"], "--train-attention mita:num_landmarks=3"),
+        (["pruning", "--train-attention", "mita:num_landmarks=6"], "--train-attention mita:num_landmarks=6: "),
+    ],
+    ids=["swap-m", "swap-agents", "swap-unknown", "robustness-m", "robustness-k", "robustness-train", "pruning"],
+)
+def test_every_attention_is_checked_before_training(tmp_path, capsys, monkeypatch, argv, match):
+    """A bad option of any attention the command will use is refused at once (exit 2, one line), not after training."""
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained before the attentions were checked")
+
+    monkeypatch.setattr(experiments, "train", no_training)
+    assert main(["vision", *argv, "--epochs", "1", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(match, err), err
 
 
 def test_robustness_grid(tmp_path, data):
@@ -80,7 +118,7 @@ def test_robustness_grid(tmp_path, data):
 
 @pytest.mark.parametrize(
     ("attention", "ms", "match"),
-    [("mita:num_landmarks=4,topk=4", (3,), "perfect squares"), ("sdpa", (4,), r"must be a 'mita:\.\.\.' config")],
+    [("mita:num_landmarks=4,topk=4", (3,), "perfect square"), ("sdpa", (4,), r"must be a 'mita:\.\.\.' config")],
     ids=["m-not-square", "not-mita"],
 )
 def test_robustness_errors(tmp_path, attention, ms, match):

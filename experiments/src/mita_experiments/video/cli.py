@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..utils.flags import add_force, add_out
+from ..utils.flags import add_command_group, add_force, add_out
 from ..vision.cli import add_digits_arguments, command_line, digits_setup
 from .experiments import ROBUSTNESS_K, ROBUSTNESS_M, VIDEO_SETUP
 
@@ -60,8 +60,7 @@ def cmd_flops(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("video", help="video: moving-digits swap and robustness, VideoMAE FLOPs")
-    video = parser.add_subparsers(dest="video_command", required=True, metavar="VIDEO_COMMAND")
+    video = add_command_group(sub, "video", "video: moving-digits swap and robustness, VideoMAE FLOPs", __doc__)
 
     p = video.add_parser("swap", help="train a video ViT with SDPA on moving digits, evaluate with MiTA and the others")
     add_digits_arguments(p, "runs/video/swap", VIDEO_SETUP)

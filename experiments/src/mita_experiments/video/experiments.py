@@ -4,30 +4,19 @@ moving digits, with a video ViT whose MiTA layers pool landmarks on its 3-D tube
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch.nn as nn
 
 from ..vision.digits import DigitsSetup
-from ..vision.experiments import Task
+from ..vision.experiments import Task, sized_options
 from . import moving_digits as md
 from .model import VideoViT
 
 TUBELET = (2, 4, 4)
 GRID = (md.FRAMES // TUBELET[0], md.SIZE // TUBELET[1], md.SIZE // TUBELET[2])  # (4, 8, 8): N = 256
 TOKENS = math.prod(GRID)
-#: each method's options at N = 256 on the (4, 8, 8) grid (MiTA's and agent's landmarks: cubes, 2 x 2 x 2 = 8 ...)
-VIDEO_OPTIONS: dict[str, dict[str, Any]] = {
-    "mita": {"num_landmarks": 8, "topk": 32},
-    "mita_routed": {"num_landmarks": 8, "topk": 32},
-    "mita_shared": {"num_landmarks": 8, "topk": 32},
-    "topk": {"topk": 32},
-    "moba": {"block_size": 32, "topk": 2},
-    "agent": {"num_agents": 8},
-    "nystrom": {"num_landmarks": 32},
-    "mhla": {"num_blocks": 8},
-    "nsa": {"block_size": 32, "topk": 2, "window": 16},
-}
+#: each method's options at N = 256 on the (4, 8, 8) grid (MiTA's, agent's and MHLA's landmarks: cubes, 2 x 2 x 2 = 8)
+VIDEO_OPTIONS = sized_options(landmarks=8, topk=32, block_size=32, window=16, nystrom=32)
 SWAP_EXTRA = ("mita:num_landmarks=8,topk=8", "mita:num_landmarks=27,topk=64", "mita:num_landmarks=64,topk=128")
 ROBUSTNESS_M = (1, 8, 27, 64)
 ROBUSTNESS_K = (4, 8, 16, 32, 64, 128, 256)
@@ -46,20 +35,13 @@ def make_video_vit(setup: DigitsSetup) -> nn.Module:
     return convert(model, setup.attention) if setup.attention != "sdpa" else model
 
 
-def _cube(m: int) -> str | None:
-    root = round(m ** (1 / 3))
-    if root**3 != m:
-        return f"--m values must be perfect cubes (3-D pooling on the {GRID} tubelet grid), got {m}"
-    return None
-
-
 MOVING_DIGITS = Task(
     "moving digits",
     f"moving digits ({md.FRAMES} frames of {md.SIZE}x{md.SIZE}, two digits of {md.DIGIT} px, label: the class of the "
     f"faster one), tubelets {TUBELET} ({GRID} grid, no CLS, N = {TOKENS})",
     md.load_moving_digits,
     make_video_vit,
-    _cube,
+    (md.FRAMES, 1, md.SIZE, md.SIZE),
     VIDEO_OPTIONS,
     SWAP_EXTRA,
 )

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..utils.files import atomic_write_text
-from ..utils.flags import add_force, add_out
+from ..utils.flags import add_command_group, add_force, add_out
 from .digits import DigitsSetup
 from .experiments import ROBUSTNESS_K, ROBUSTNESS_M
 
@@ -161,8 +161,9 @@ def _add_train_parser(vision: argparse._SubParsersAction) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("vision", help="ViTs with MiTA: FLOP tables, digits experiments, ImageNet trainer")
-    vision = parser.add_subparsers(dest="vision_command", required=True, metavar="VISION_COMMAND")
+    vision = add_command_group(
+        sub, "vision", "ViTs with MiTA: FLOP tables, digits experiments, ImageNet trainer", __doc__
+    )
 
     p = vision.add_parser("flops", help="FLOP and parameter tables, full attention vs MiTA")
     add_out(p, "also write report.md and flops_vs_length.png here", type=Path)

@@ -8,8 +8,10 @@
 Each takes ``data`` = (x_train, y_train, x_test, y_test) to run on other images (the tests do).
 Swap and robustness also take a :class:`Task` (data, model, the methods' options for its length,
 the report's words) to run on other inputs: :data:`DIGITS` by default; :mod:`mita_experiments.video`
-runs them on moving digits. The models are trained by :func:`~mita_experiments.vision.digits.train`
-in run folders of ``out`` (``sdpa/``, ``mita/``), which a re-run resumes.
+runs them on moving digits. Every attention an experiment will use is built and run on one input
+before anything is trained (:func:`check_attentions`), so a bad option fails at once, not after
+training. The models are trained by :func:`~mita_experiments.vision.digits.train` in run folders of
+``out`` (``sdpa/``, ``mita/``), which a re-run resumes.
 """
 
 from __future__ import annotations
@@ -32,18 +34,36 @@ from ..utils.machine import describe
 from .digits import GRID, DigitsSetup, evaluate, load_digits, make_vit, train
 from .flops import markdown_table
 
-#: options of each registered method for the digits' N = 65 (methods not listed use their defaults)
-SMALL_N_OPTIONS: dict[str, dict[str, Any]] = {
-    "mita": {"num_landmarks": 16, "topk": 16},
-    "mita_routed": {"num_landmarks": 16, "topk": 16},
-    "mita_shared": {"num_landmarks": 16, "topk": 16},
-    "topk": {"topk": 16},
-    "moba": {"block_size": 8, "topk": 2},
-    "agent": {"num_agents": 16},
-    "nystrom": {"num_landmarks": 16},
-    "mhla": {"num_blocks": 16},
-    "nsa": {"block_size": 8, "topk": 2, "window": 4},
-}
+
+def sized_options(
+    landmarks: int, topk: int, block_size: int, window: int, nystrom: int | None = None
+) -> dict[str, dict[str, Any]]:
+    """The registered methods' size options for one sequence length (methods not listed have none).
+
+    Args:
+        landmarks (int): m of MiTA and its two ablations; also agent's agents and MHLA's blocks (one
+            pooled grid, so a square on a 2-D grid, a cube on a 3-D one).
+        topk (int): k, the keys per MiTA expert and per query of top-k attention.
+        block_size (int): MoBA's and NSA's key blocks (each query attends to its top 2).
+        window (int): NSA's sliding window.
+        nystrom (int | None): Nystrom's landmarks; default ``landmarks``.
+    """
+    mita = {"num_landmarks": landmarks, "topk": topk}
+    return {
+        "mita": mita,
+        "mita_routed": dict(mita),
+        "mita_shared": dict(mita),
+        "topk": {"topk": topk},
+        "moba": {"block_size": block_size, "topk": 2},
+        "agent": {"num_agents": landmarks},
+        "nystrom": {"num_landmarks": landmarks if nystrom is None else nystrom},
+        "mhla": {"num_blocks": landmarks},
+        "nsa": {"block_size": block_size, "topk": 2, "window": window},
+    }
+
+
+#: options of each registered method for the digits' N = 65 on the 8x8 grid
+SMALL_N_OPTIONS = sized_options(landmarks=16, topk=16, block_size=8, window=4)
 #: extra MiTA settings the swap evaluates besides m = k = 16
 SWAP_MITA_EXTRA = ("mita:num_landmarks=4,topk=8", "mita:num_landmarks=64,topk=65")
 ROBUSTNESS_M = (1, 4, 9, 16, 25, 36, 64)
@@ -68,14 +88,6 @@ def swap_configs(
     return configs + [c for c in extra if c not in configs]
 
 
-def _square(m: int) -> str | None:
-    return (
-        None
-        if math.isqrt(m) ** 2 == m
-        else f"--m values must be perfect squares (2-D pooling on the 8x8 grid), got {m}"
-    )
-
-
 @dataclass(frozen=True)
 class Task:
     """What swap and robustness run on.
@@ -85,7 +97,7 @@ class Task:
         data (str): the report's description of the data (its sizes are appended).
         load (callable): seed -> (x_train, y_train, x_test, y_test).
         build (callable): DigitsSetup -> the model (softmax attention, or ``setup.attention``).
-        landmarks_error (callable): m -> why m does not fit the model's grid, or None.
+        input_shape (tuple): one input's shape, e.g. (1, 32, 32) (the attentions are checked on one).
         swap_options (dict): each method's options at the task's length (see :data:`SMALL_N_OPTIONS`).
         swap_extra (tuple): more configs the swap evaluates.
     """
@@ -94,7 +106,7 @@ class Task:
     data: str
     load: Callable[[int], tuple[torch.Tensor, ...]]
     build: Callable[[DigitsSetup], torch.nn.Module]
-    landmarks_error: Callable[[int], str | None] = _square
+    input_shape: tuple[int, ...]
     swap_options: dict[str, dict[str, Any]] = field(default_factory=lambda: SMALL_N_OPTIONS)
     swap_extra: tuple[str, ...] = SWAP_MITA_EXTRA
 
@@ -104,7 +116,38 @@ DIGITS = Task(
     "scikit-learn digits upscaled to 32x32 and standardised, patch 4 (8x8 grid + CLS, N = 65)",
     load_digits,
     make_vit,
+    (1, 4 * GRID, 4 * GRID),
 )
+
+
+def check_attentions(task: Task, setup: DigitsSetup, configs: Iterable[str], flag: str) -> None:
+    """Build ``task``'s model with each attention config and run it on one random input, so that every
+    option is checked against the model's token grid before anything is trained (a bad option would
+    otherwise fail only when it is first used, after training). The model is built with one block (its
+    blocks are alike) and run on one thread: a second or two for a whole swap or robustness grid.
+
+    Args:
+        task (Task): the model and the shape of its input.
+        setup (DigitsSetup): the model's size and seed; its attention is replaced by each config.
+        configs (iterable of str): registry configs, e.g. ``"mita:num_landmarks=16,topk=16"``.
+        flag (str): where the configs came from (``"--attention"``), to start the message with.
+
+    Raises:
+        ValueError: ``"{flag} {config}: {why}"`` for the first config that does not build or run.
+    """
+    example = torch.randn(1, *task.input_shape, generator=torch.Generator().manual_seed(0))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # more threads only wait on each other for one small input
+    try:
+        for config in configs:
+            try:
+                model = task.build(replace(setup, attention=config, depth=1))
+                with torch.no_grad():
+                    model.eval()(example)
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"{flag} {config}: {err}") from None
+    finally:
+        torch.set_num_threads(threads)
 
 
 def prepare_output(out: Path | str, force: bool) -> Path:
@@ -173,11 +216,13 @@ def run_swap(
     from mita.models.convert import convert
 
     setup = replace(setup, attention="sdpa")
+    configs = configs or swap_configs(task.swap_options, task.swap_extra)
+    check_attentions(task, setup, configs, "--attention")
     data = data or task.load(setup.seed)
     model, summary = train(setup, data, out / "sdpa", force=force, build=task.build, name=task.name)
     base = summary["test_accuracy"]
     rows = []
-    for config in configs or swap_configs(task.swap_options, task.swap_extra):
+    for config in configs:
         t0 = time.perf_counter()
         accuracy = evaluate(convert(copy.deepcopy(model), config), data[2], data[3])
         retained = 100 * accuracy / base if base else float("nan")
@@ -233,12 +278,12 @@ def run_robustness(
     task: Task = DIGITS,
 ) -> dict[str, Any]:
     """Train MiTA with ``setup.attention``'s m, k; evaluate on the grid ms x ks; report.md and robustness.png."""
-    for m in ms:
-        if (error := task.landmarks_error(m)) is not None:
-            raise ValueError(error)
     name, options = registry.parse(setup.attention)
     if name != "mita":
         raise ValueError(f"robustness trains MiTA: --train-attention must be a 'mita:...' config, got {name!r}")
+    check_attentions(task, setup, [setup.attention], "--train-attention")
+    grid_configs = [config_string(name, {**options, "num_landmarks": m, "topk": k}) for m in ms for k in ks]
+    check_attentions(task, setup, grid_configs, "--m/--k give")
     data = data or task.load(setup.seed)
     model, summary = train(setup, data, out / "mita", force=force, build=task.build, name=task.name)
     layers = mita_layers(model)
@@ -349,6 +394,7 @@ def run_pruning(
     name, options = registry.parse(setup.attention)
     if name != "mita":
         raise ValueError(f"pruning analyses MiTA: --train-attention must be a 'mita:...' config, got {name!r}")
+    check_attentions(DIGITS, setup, [setup.attention], "--train-attention")
     data = data or load_digits(setup.seed)
     model, summary = train(setup, data, out / "mita", force=force)
     stats = selection_statistics(model, data[2])
