@@ -274,3 +274,11 @@ def test_agent_layer_options_load_timm_missing_only_their_parameters(options):
     out.sum().backward()
     assert (out[1, 15:] == layer.proj.bias).all()
     assert all(torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
+def test_importing_convert_first_registers_the_models_without_a_warning() -> None:
+    """convert.py imports timm, whose import hook imports deit.py, which needs convert: no cycle error."""
+    code = "import timm, mita.models.convert; timm.create_model('mita_deit_tiny_patch16_224', pretrained=False)"
+    code = "from mita.models.convert import convert; " + code
+    run = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr

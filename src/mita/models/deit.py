@@ -17,7 +17,7 @@ from typing import Any
 from timm.models import build_model_with_cfg, generate_default_cfgs, load_pretrained, register_model
 from timm.models.vision_transformer import VisionTransformer
 
-from .convert import convert
+from . import convert as conversion  # the module, not its function: convert.py imports timm, which imports this
 
 #: MiTA options a model entry point accepts (the rest goes to ``VisionTransformer``)
 MITA_OPTIONS = ("num_landmarks", "topk", "num_routed", "compat", "branches", "impl", "dwc", "out_gate")
@@ -54,7 +54,7 @@ def _create(variant: str, pretrained: bool = False, **kwargs: Any) -> VisionTran
     """A timm DeiT ``VisionTransformer`` of ``kwargs`` with MiTA attention (the MiTA options popped from kwargs)."""
     mita_options = {k: kwargs.pop(k) for k in MITA_OPTIONS if k in kwargs}
     model = build_model_with_cfg(VisionTransformer, variant, pretrained=False, **kwargs)
-    convert(model, "mita", **mita_options)
+    conversion.convert(model, "mita", **mita_options)
     if pretrained:
         cfg = model.pretrained_cfg
         if not (cfg.get("file") or cfg.get("state_dict")):
