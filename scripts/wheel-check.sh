@@ -45,6 +45,8 @@ mita bench lra --task listops --lengths 32 --steps 1 --warmup 0 --batch 2 --meth
 mita vision flops --no-counted
 mita vision swap --epochs 1 --batch-size 512 --attention mita --threads 2 --out vision-swap
 mita bench vit --models deit_tiny_patch16_224 --sizes 32:1:4 --model-args depth=1 --rounds 1 --modes infer --out bench-vit
+mita seg flops --no-counted
+mita bench seg --sizes tiny --image 32 --depth 1 --landmarks 4 --topk 4 --rounds 1 --out bench-seg
 # --- video
 @ mita-experiments[video]
 mita video flops --no-counted

@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "mita_experiments.recall.cli",
     "mita_experiments.vision.cli",
     "mita_experiments.video.cli",
+    "mita_experiments.segmentation.cli",
 ]
 #: errors that mean "the input was refused", reported in one line (exit status 2)
 USER_ERRORS = (ValueError, TypeError, OSError, ImportError)

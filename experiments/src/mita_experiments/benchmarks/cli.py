@@ -8,10 +8,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from ..segmentation import bench as seg
 from . import bench, demo, lra, video, vit
 
 #: what ``mita bench`` times: the module of each target (HELP, add_arguments, run)
-TARGETS = {"op": bench, "vit": vit, "video": video, "lra": lra}
+TARGETS = {"op": bench, "vit": vit, "video": video, "lra": lra, "seg": seg}
 DEFAULT_TARGET = "op"
 DESCRIPTION = """\
 Time MiTA against its baselines. The first word names what is timed (op when left out):
@@ -20,6 +21,7 @@ Time MiTA against its baselines. The first word names what is timed (op when lef
   mita bench vit --models deit_small_patch16_224 --sizes 224:16:25   a timm ViT, converted to MiTA or not
   mita bench video --frames 16 32                                    a Hugging Face VideoMAE, MiTA vs SDPA
   mita bench lra --task listops --lengths 1000 2000                  a Long Range Arena task's model
+  mita bench seg --sizes tiny small                                  a Segmenter (ViT + Mask Transformer) at 512 px
 
 Each writes results.csv and results.md to --out (default: a new bench-results/<date-time>);
 'mita bench TARGET --help' lists a target's options.
