@@ -19,24 +19,10 @@ import argparse
 import json
 from pathlib import Path
 
-from mita.utils.options import parse_assignments
-
 from ..trainer import cli as trainer_cli
-from ..utils.files import atomic_write_text, check_output_file
-from ..utils.flags import add_force, add_out
+from ..utils.flags import add_command_group, add_force, add_out
 
 EVAL_FIELDS = ["checkpoint", "step", "trained_with", "attention", "options", "split", "accuracy", "loss"]
-
-
-def _set(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="a JSON configuration file instead of the packaged one")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one configuration value, e.g. data.num_pairs=64 (repeatable)",
-    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -51,7 +37,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from .. import trainer
     from ..lra.config import apply_overrides
-    from ..utils.distributed import init_distributed
     from . import task
 
     if args.resume and args.config is None and (Path(args.out) / trainer.MANIFEST).is_file():
@@ -59,39 +44,22 @@ def cmd_train(args: argparse.Namespace) -> int:
         task.check_data(cfg["data"])
     else:
         cfg = task.config(overrides=args.set, path=args.config)
-    ctx = init_distributed(args.device)
-    data = task.task_data(cfg["data"], args.data)
-    summary = task.train(cfg, data, args.out, args.attention, ctx=ctx, **trainer_cli.options(args))
-    if ctx.main:
-        print(json.dumps(summary, indent=2))
-    return 0
+    return trainer_cli.run_train(args, task.train, cfg, task.task_data(cfg["data"], args.data))
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from ..utils.distributed import init_distributed
     from . import sweep, task
 
-    out = check_output_file(args.out, force=args.force) if args.out else None
-    options = parse_assignments(args.option, "--option")
-    ctx = init_distributed(args.device)
-    result = task.evaluate_checkpoint(
-        args.checkpoint,
-        args.data,
-        attention=args.attention,
-        options=options,
-        split=args.split,
-        batch_size=args.batch_size,
-        ctx=ctx,
+    result = trainer_cli.run_eval(
+        args,
+        lambda checkpoint, **common: task.evaluate_checkpoint(
+            checkpoint, args.data, diagnostics=args.diagnostics, **common
+        ),
     )
-    if ctx.main:
-        text = json.dumps(result, indent=2)
-        print(text)
-        if out is not None:
-            atomic_write_text(out, text + "\n")
-        if args.csv:
-            row = {k: result[k] for k in EVAL_FIELDS}
-            row["options"] = json.dumps(row["options"])
-            sweep.append_row(Path(args.csv), row, EVAL_FIELDS)
+    if result is not None and args.csv:
+        row = {k: result[k] for k in EVAL_FIELDS}
+        row["options"] = json.dumps(row["options"])
+        sweep.append_row(Path(args.csv), row, EVAL_FIELDS)
     return 0
 
 
@@ -123,47 +91,31 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "recall",
-        help="associative recall: generate, train, evaluate, sweep methods x N x P",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    rc = add_command_group(
+        sub, "recall", "associative recall: generate, train, evaluate, sweep methods x N x P", __doc__
     )
-    rc = p.add_subparsers(dest="recall_command", required=True, metavar="SUBCOMMAND")
 
     g = rc.add_parser("generate", help="write train/val/test .npz files and meta.json")
-    _set(g)
+    trainer_cli.add_overrides(g, "data.num_pairs=64")
     add_out(g, "output folder", required=True)
     add_force(g, "replace the files of an earlier generate in --out")
     g.set_defaults(func=cmd_generate)
 
     t = rc.add_parser("train", help="train a model (resumable; DDP under torchrun)")
-    _set(t)
-    add_out(t, "run folder for checkpoints and logs (replaced only with --force)", required=True)
-    t.add_argument(
-        "--attention", help="registered attention or config, e.g. 'mita:topk=32' (default: sdpa; on --resume the run's)"
-    )
+    trainer_cli.add_overrides(t, "data.num_pairs=64")
     t.add_argument("--data", help="a folder written by `mita recall generate` (default: generate from the config)")
-    trainer_cli.add_arguments(t)
+    trainer_cli.add_train_arguments(t)
     t.set_defaults(func=cmd_train)
 
     e = rc.add_parser("eval", help="evaluate a run, optionally with another attention or MiTA m, k, s")
-    e.add_argument("--checkpoint", required=True, help="a run folder (its best.pt), a .pt or a model.safetensors file")
-    e.add_argument("--attention", help="evaluate with this attention instead of the trained one (swap)")
-    e.add_argument(
-        "--option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="attention option at evaluation, e.g. num_landmarks=64 (repeatable)",
-    )
+    trainer_cli.add_eval_arguments(e, "num_landmarks=64")
     e.add_argument("--data", help="a folder written by `mita recall generate` (default: the run's own data)")
-    e.add_argument("--split", default="test", choices=["train", "val", "test"])
-    e.add_argument("--batch-size", type=trainer_cli.positive_int)
-    e.add_argument("--device", help="cpu or cuda (default: cuda if available)")
-    add_out(e, "also write the result as JSON here")
-    add_force(e, "replace --out if it exists")
     e.add_argument("--csv", help="append the result as one row to this CSV (created with a header)")
+    e.add_argument(
+        "--diagnostics",
+        action="store_true",
+        help="also measure MiTA's routing diagnostics per layer and head (printed and in --out, not in --csv)",
+    )
     e.set_defaults(func=cmd_eval)
 
     s = rc.add_parser("sweep", help="train a grid of methods x N x P (resumes; one CSV row per run) and plot it")
@@ -174,13 +126,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--pairs", type=int, nargs="+", help="numbers of pairs P (crossed with --lengths)")
     group.add_argument("--ratio", type=float, help="P = round(ratio * N) at each N")
     s.add_argument("--seeds", type=int, nargs="+", default=[0], help="data and training seeds (default 0)")
-    s.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="configuration override for every run, e.g. train.steps=500 (repeatable)",
-    )
+    trainer_cli.add_overrides(s, "train.steps=500", file=False, what="a configuration value of every run")
     s.add_argument(
         "--batch-tokens",
         type=int,

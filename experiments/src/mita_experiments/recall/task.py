@@ -12,10 +12,16 @@ encoder with ``pooling="none"`` (a token classifier).
 masked, and at N itself; validation and test stay at (N, P). With no positions, the model is
 the same at every length, so what it learns on the short sequences (where the value signal is
 less diluted by filler) carries over to N.
+
+``data.diagnostics`` (default false) adds MiTA's routing diagnostics (:mod:`.diagnostics`,
+per layer and head) to every validation and test evaluation of a MiTA model: columns
+``{metric}_l{layer}h{head}`` of metrics.csv / TensorBoard (NaN on the training rows, where
+they are not measured).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
@@ -27,9 +33,10 @@ from .. import trainer
 from ..lra import train as lra_train
 from ..lra.config import load_config
 from ..lra.data.loaders import Split, TaskData
-from ..lra.models import Classifier
-from ..utils.distributed import Dist
+from ..utils.distributed import Dist, init_distributed
 from . import data as gen
+from . import diagnostics as diag
+from . import routing
 
 DATA_KEYS = ("seq_len", "num_pairs", "vocab_size", "form")
 #: config keys a resumed run may change besides the trainer's
@@ -59,6 +66,8 @@ def check_data(data_config: Mapping[str, Any]) -> None:
     for key, low in (("num_test", 1), ("seed", 0)):
         if not _whole(data_config.get(key), low):
             raise ValueError(f"data.{key} must be a whole number >= {low}, got {data_config.get(key)!r}")
+    if not isinstance(data_config.get("diagnostics", False), bool):
+        raise ValueError(f"data.diagnostics must be true or false, got {data_config.get('diagnostics')!r}")
     lengths = data_config.get("train_lengths") or []
     if not (isinstance(lengths, (list, tuple)) and all(_whole(n, 1) for n in lengths)):
         raise ValueError(f"data.train_lengths must be a list of whole numbers, got {lengths!r}")
@@ -111,29 +120,60 @@ def task_data(data_config: dict[str, Any], root: str | Path | None = None) -> Ta
     return TaskData(splits, vocab_size=spec.vocab_size + 1, num_classes=spec.num_classes, max_length=spec.seq_len)
 
 
-def build_model(config: Mapping[str, Any], meta: Mapping[str, Any], attention: Any) -> Classifier:
-    """The LRA encoder of the config's model section (``pooling="none"``: a token classifier) for ``meta``."""
-    return Classifier(
-        num_classes=meta["num_classes"],
-        dual=meta["dual"],
-        vocab_size=meta["vocab_size"],
-        max_length=meta["max_length"],
-        attention=attention,
-        **config["model"],
-    )
+def build_model(config: Mapping[str, Any], meta: Mapping[str, Any], attention: Any) -> torch.nn.Module:
+    """The LRA encoder of the config's model section for ``meta`` (``pooling="none"``: a token
+    classifier; :func:`mita_experiments.lra.train.build_model`), where ``attention`` may also be the
+    study's ``mita_recall`` (:mod:`.routing`)."""
+    with routing.registered():
+        return lra_train.build_model(config, meta, attention)
 
 
-def scores(model: torch.nn.Module, batch: tuple[list[torch.Tensor], torch.Tensor]) -> trainer.Scores:
-    """Summed cross-entropy and number correct over the query positions of a batch."""
+def scores(
+    model: torch.nn.Module, batch: tuple[list[torch.Tensor], torch.Tensor], diagnostics: bool = False
+) -> trainer.Scores:
+    """Summed cross-entropy and number correct over the query positions of a batch; with
+    ``diagnostics``, also the routing diagnostics of the model's MiTA layers as sums over the
+    query positions (:func:`~.diagnostics.diagnostic_scores`), measured in evaluation mode only
+    (NaN in training)."""
     inputs, labels = batch
-    return trainer.classification_scores(model(*(t.long() for t in inputs)), labels.long(), gen.IGNORE)
+    ids = [t.long() for t in inputs]
+    if not diagnostics:
+        return trainer.classification_scores(model(*ids), labels.long(), gen.IGNORE)
+    if model.training:
+        s = trainer.classification_scores(model(*ids), labels.long(), gen.IGNORE)
+        s.metrics.update(dict.fromkeys(diag.model_metric_names(model), float("nan")))
+        return s
+    with diag.RoutingProbe(model) as probe:
+        logits = model(*ids)
+    s = trainer.classification_scores(logits, labels.long(), gen.IGNORE)
+    query = labels.long() != gen.IGNORE
+    targets = diag.target_keys(ids[0][..., 0] if ids[0].dim() == 3 else ids[0], query)
+    s.metrics.update(diag.diagnostic_scores(probe.captures, targets))
+    return s
+
+
+def diagnostic_metrics(config: Mapping[str, Any], attention: Any) -> tuple[str, ...]:
+    """The diagnostics' metric names of a run (empty unless ``data.diagnostics`` is on); a
+    ValueError if it is on and the attention is not MiTA."""
+    if not config["data"].get("diagnostics"):
+        return ()
+    from mita.attention import resolve
+    from mita.layers.mita import MiTAAttention
+
+    with routing.registered():
+        method, _ = resolve(attention or "sdpa")
+    if not (isinstance(method.layer, type) and issubclass(method.layer, MiTAAttention)):
+        raise ValueError(f"data.diagnostics=True needs a MiTA attention (mita, mita_routed, ...), got {attention!r}")
+    return diag.metric_names(config["model"]["depth"], config["model"]["num_heads"])
 
 
 def recall_task(config: Mapping[str, Any], data: TaskData, attention: Any) -> trainer.Task:
     """The trainer's task of recall: the token classifier with ``attention`` on ``data``."""
+    names = diagnostic_metrics(config, attention)
     return trainer.Task(
         build_model=lambda: build_model(config, data.meta, attention),
-        scores=scores,
+        scores=functools.partial(scores, diagnostics=bool(names)),
+        metrics=("accuracy", *names),
         train_data=data.splits["train"],
         eval_data={"val": data.splits["val"], "test": data.splits["test"]},
         identity={"attention": attention},
@@ -168,9 +208,12 @@ def evaluate_checkpoint(
     split: str = "test",
     batch_size: int | None = None,
     ctx: Dist | None = None,
+    diagnostics: bool = False,
 ) -> dict[str, Any]:
     """Loss, accuracy and throughput of a recall checkpoint on ``split``, optionally with another
-    attention or call-time options (MiTA's num_landmarks, topk, num_routed).
+    attention or call-time options (MiTA's num_landmarks, topk, num_routed), and with
+    ``diagnostics`` the routing diagnostics of its MiTA layers (means per query position under
+    ``"diagnostics"``: :mod:`.diagnostics`).
 
     Args:
         path: a run folder (its best.pt, else checkpoint.pt), a .pt or a model.safetensors.
@@ -181,6 +224,7 @@ def evaluate_checkpoint(
         split: "train", "val" or "test" (default "test").
         batch_size: sequences per forward (default: the run's eval batch size).
         ctx: this process's place in a DDP run (default: :func:`init_distributed`).
+        diagnostics: also measure the routing diagnostics (a MiTA attention only; default False).
     """
     path = trainer.resolve_checkpoint(path)
     if batch_size is not None and batch_size < 1:
@@ -188,6 +232,21 @@ def evaluate_checkpoint(
     if not isinstance(data, TaskData):
         run_data = trainer.read_checkpoint(path)["config"]["data"]
         data = task_data({**run_data, "train_lengths": []} if data else run_data, data)
-    return lra_train.evaluate_checkpoint(
-        path, data, attention, options, split, batch_size, ctx, build=build_model, score=scores
+    ctx = ctx or init_distributed()
+    sums: dict[str, float] = {}
+    queries = [0.0]
+
+    def score(model: torch.nn.Module, batch: tuple[list[torch.Tensor], torch.Tensor]) -> trainer.Scores:
+        s = scores(model, batch, diagnostics)
+        for name in [n for n in s.metrics if n != "accuracy"]:  # the trainer's evaluate reports accuracy only
+            sums[name] = sums.get(name, 0.0) + float(s.metrics.pop(name))
+        queries[0] += float(s.count)
+        return s
+
+    result = lra_train.evaluate_checkpoint(
+        path, data, attention, options, split, batch_size, ctx, build=build_model, score=score
     )
+    if diagnostics:
+        totals = ctx.all_sum([*sums.values(), queries[0]])
+        result["diagnostics"] = {name: total / max(totals[-1], 1.0) for name, total in zip(sums, totals)}
+    return result

@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import json
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..utils.flags import add_force
+from mita.utils.options import parse_assignments
 
-__all__ = ["add_arguments", "options", "positive_int"]
+from ..utils.files import atomic_write_text, check_output_file
+from ..utils.flags import add_force, add_out
+
+__all__ = [
+    "add_arguments",
+    "add_eval_arguments",
+    "add_overrides",
+    "add_train_arguments",
+    "options",
+    "positive_int",
+    "run_eval",
+    "run_train",
+]
 
 
 def positive_int(text: str) -> int:
@@ -60,3 +74,75 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
         "progress": not args.no_progress,
         "tensorboard": not args.no_tensorboard,
     }
+
+
+def _add_assignments(parser: argparse.ArgumentParser, flag: str, metavar: str, help: str) -> None:
+    """A repeatable ``flag KEY=VALUE`` collected into a list (parsed later by the command)."""
+    parser.add_argument(flag, action="append", default=[], metavar=metavar, help=f"{help} (repeatable)")
+
+
+def add_overrides(
+    parser: argparse.ArgumentParser, example: str, *, file: bool = True, what: str = "one configuration value"
+) -> None:
+    """Add ``--set SECTION.KEY=VALUE`` (repeatable; its help: "override ``what``, e.g. ``example``") and,
+    if ``file``, ``--config`` (a JSON configuration file instead of the packaged one)."""
+    if file:
+        parser.add_argument("--config", help="a JSON configuration file instead of the packaged one")
+    _add_assignments(parser, "--set", "SECTION.KEY=VALUE", f"override {what}, e.g. {example}")
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add a ``train`` command's --attention and --out (the run folder), then :func:`add_arguments`."""
+    parser.add_argument(
+        "--attention", help="registered attention or config, e.g. 'mita:topk=32' (default: sdpa; on --resume the run's)"
+    )
+    add_out(parser, "run folder for checkpoints and logs (replaced only with --force)", required=True)
+    add_arguments(parser)
+
+
+def run_train(args: argparse.Namespace, train: Callable[..., Mapping[str, Any]], config: Any, data: Any) -> int:
+    """``train(config, data, args.out, args.attention, ctx=..., **options(args))`` on this process (under
+    torchrun: its rank of a DDP run); the main process prints the summary as JSON."""
+    from ..utils.distributed import init_distributed
+
+    ctx = init_distributed(args.device)
+    summary = train(config, data, args.out, args.attention, ctx=ctx, **options(args))
+    if ctx.main:
+        print(json.dumps(summary, indent=2))
+    return 0
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser, option_example: str) -> None:
+    """Add an ``eval`` command's --checkpoint, --attention, --option (``option_example`` in its help),
+    --split, --batch-size, --device, --out and --force."""
+    parser.add_argument(
+        "--checkpoint", required=True, help="a run folder (its best.pt), a .pt or a model.safetensors file"
+    )
+    parser.add_argument("--attention", help="evaluate with this attention instead of the trained one (swap)")
+    _add_assignments(parser, "--option", "KEY=VALUE", f"attention option at evaluation, e.g. {option_example}")
+    parser.add_argument("--split", default="test", choices=["train", "val", "test"])
+    parser.add_argument("--batch-size", type=positive_int)
+    parser.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if available)")
+    add_out(parser, "also write the result as JSON to this file")
+    add_force(parser, "replace --out if it exists")
+
+
+def run_eval(args: argparse.Namespace, evaluate: Callable[..., dict[str, Any]]) -> dict[str, Any] | None:
+    """Run an ``eval`` command: --out and --option are checked first, then ``evaluate(args.checkpoint,
+    attention=, options=, split=, batch_size=, ctx=)`` runs on this process. The main process prints the
+    result as JSON (and writes it to --out) and returns it; the other ranks return None."""
+    from ..utils.distributed import init_distributed
+
+    out = check_output_file(args.out, force=args.force) if args.out else None
+    opts = parse_assignments(args.option, "--option")
+    ctx = init_distributed(args.device)
+    result = evaluate(
+        args.checkpoint, attention=args.attention, options=opts, split=args.split, batch_size=args.batch_size, ctx=ctx
+    )
+    if not ctx.main:
+        return None
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out is not None:
+        atomic_write_text(out, text + "\n")
+    return result
