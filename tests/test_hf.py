@@ -111,8 +111,9 @@ def test_causal_models_get_a_clear_error(config):
         (vit_config(mita_grid=[4, 16], mita_num_prefix_tokens=0), 64, dict(grid=(4, 16), num_prefix_tokens=0)),
         (bert_config(), 30, dict(num_landmarks=64, topk=64, num_routed=1, num_prefix_tokens=0, grid=None)),
         (bert_config(mita_num_routed=2), 30, dict(num_routed=2)),
+        (vit_config(mita_num_suffix_tokens=4), 69, dict(num_prefix_tokens=1, num_suffix_tokens=4, grid=(8, 8))),
     ],
-    ids=["vit-defaults", "vit-1d", "vit-grid", "bert-defaults", "bert-routed"],
+    ids=["vit-defaults", "vit-1d", "vit-grid", "bert-defaults", "bert-routed", "vit-suffix"],
 )
 def test_options_from_config(config, n, expected):
     options = mita_options(config, n)
@@ -123,7 +124,11 @@ def test_options_from_config(config, n, expected):
     ("config", "n", "match"),
     [
         (vit_config(), 51, r"the image's own \(which was not recorded\) or that of the config's image size"),
-        (bert_config(mita_grid="auto"), 31, "or that of a square; got N - num_prefix_tokens = 31 - 0 = 31"),
+        (
+            bert_config(mita_grid="auto"),
+            31,
+            "or that of a square; got N - num_prefix_tokens - num_suffix_tokens = 31 - 0 - 0",
+        ),
         (vit_config(mita_grid="rows"), 65, "'auto', None or"),
     ],
     ids=["auto-not-the-grid", "auto-not-square", "bad-grid"],

@@ -72,3 +72,12 @@ def test_length_sweep_grows_with_n():
     rows = flops.length_sweep((64, 128), m=4)
     assert [r["N"] for r in rows] == [17, 65]
     assert rows[1]["reduction (%)"] > rows[0]["reduction (%)"]
+
+
+def test_vit5_rows_count_registers_and_grow_with_the_image():
+    """ViT-5-S: N counts CLS, patches and the 4 registers; its dense part is the full model's less 4 N^2 D
+    per head and layer, and MiTA (m = 25, k = 30) saves more as the image grows."""
+    rows = flops.vit5_rows((224, 384))
+    assert [r["N"] for r in rows] == [14 * 14 + 5, 24 * 24 + 5]
+    assert 0 < rows[0]["reduction (%)"] < rows[1]["reduction (%)"] < rows[1]["attention share (%)"]
+    assert abs(rows[0]["MiTA GFLOPs (counted impl)"] - rows[0]["MiTA GFLOPs"]) < 0.05 * rows[0]["MiTA GFLOPs"]

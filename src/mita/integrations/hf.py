@@ -15,6 +15,7 @@ and for the others (BERT, ...):
 - ``mita_num_routed``: 1
 - ``mita_grid``: "auto" / "auto" / None (1-D pooling); or [gh, gw] or [gt, gh, gw]
 - ``mita_num_prefix_tokens``: 1 for ViViT's CLS token, else 0 / 1 (CLS) / 0
+- ``mita_num_suffix_tokens``: 0 (tokens after the patches, as ViT-5's registers, that are not pooled)
 
 "auto" is, for images, the patch grid of the image being run (models built with
 ``attn_implementation="mita"`` hook their patch embeddings to record it, so an image resized
@@ -117,9 +118,10 @@ def mita_options(config: Any, num_tokens: int, patch_grid: tuple[int, int] | Non
         "topk": getattr(config, "mita_topk", default_m),
         "num_routed": getattr(config, "mita_num_routed", 1),
         "num_prefix_tokens": getattr(config, "mita_num_prefix_tokens", 1 if vision else 0),
+        "num_suffix_tokens": getattr(config, "mita_num_suffix_tokens", 0),
     }
     grid = _grid_option(getattr(config, "mita_grid", "auto" if vision else None))
-    pooled = num_tokens - options["num_prefix_tokens"]
+    pooled = num_tokens - options["num_prefix_tokens"] - options["num_suffix_tokens"]
     pools_2d = grid == "auto" or (grid is not None and len(grid) == 2)
     if pools_2d and patch_grid is not None and math.prod(patch_grid) == pooled:
         grid = tuple(patch_grid)
@@ -131,9 +133,9 @@ def mita_options(config: Any, num_tokens: int, patch_grid: tuple[int, int] | Non
             seen = "was not recorded" if patch_grid is None else f"is {tuple(patch_grid)}"
             raise ValueError(
                 f"config.mita_grid='auto' needs the tokens after the prefix to be a patch grid: the image's own "
-                f"(which {seen}) or that of {layout}; got N - num_prefix_tokens = {num_tokens} - "
-                f"{options['num_prefix_tokens']} = {pooled}. Set config.mita_grid = [gh, gw] or None (1-D pooling), "
-                "or config.mita_num_prefix_tokens"
+                f"(which {seen}) or that of {layout}; got N - num_prefix_tokens - num_suffix_tokens = {num_tokens} - "
+                f"{options['num_prefix_tokens']} - {options['num_suffix_tokens']} = {pooled}. Set config.mita_grid = "
+                "[gh, gw] or None (1-D pooling), or config.mita_num_prefix_tokens / mita_num_suffix_tokens"
             )
     options["grid"] = grid
     return options
@@ -148,9 +150,10 @@ def _config_grid(config: Any) -> tuple[int, int]:
 def _video_options(config: Any, num_tokens: int, layout: tuple[int, int, int]) -> dict[str, Any]:
     """:func:`mita_options` of a video config: its (time, rows, columns) grid where the tokens are that layout."""
     prefix = getattr(config, "mita_num_prefix_tokens", VIDEO_PREFIX_TOKENS.get(getattr(config, "model_type", ""), 0))
+    suffix = getattr(config, "mita_num_suffix_tokens", 0)
     grid = _grid_option(getattr(config, "mita_grid", "auto"))
     if grid == "auto":
-        grid = layout if num_tokens - prefix == math.prod(layout) else None
+        grid = layout if num_tokens - prefix - suffix == math.prod(layout) else None
     m = getattr(config, "mita_num_landmarks", None)
     if m is None:  # the default grid of landmarks, clamped to the (given or config's) token grid
         m = tuple(map(min, VIDEO_LANDMARKS[-len(grid or layout) :], grid or layout))
@@ -161,6 +164,7 @@ def _video_options(config: Any, num_tokens: int, layout: tuple[int, int, int]) -
         "topk": getattr(config, "mita_topk", VIDEO_TOPK),
         "num_routed": getattr(config, "mita_num_routed", 1),
         "num_prefix_tokens": prefix,
+        "num_suffix_tokens": suffix,
         "grid": grid,
     }
 

@@ -1,26 +1,31 @@
-"""Register the MiTA-DeiT models with timm as soon as timm is imported, without importing it.
+"""Register the MiTA-DeiT and ViT-5 models with timm as soon as timm is imported, without importing it.
 
 ``import mita`` must stay fast and work without timm, yet ``timm.create_model`` must know
-the ``mita_deit_*`` names. If timm is loaded already the names are registered at once;
+the ``mita_deit_*``, ``vit5_*`` and ``mita_vit5_*`` names. If timm is loaded already the names are registered at once;
 otherwise a one-shot import hook registers them right after ``import timm`` finishes.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.util
 import sys
 import warnings
 from types import ModuleType
 
+#: the modules whose import registers models with timm
+MODEL_MODULES = ("mita.models.deit", "mita.models.vit5")
+
 
 def _register() -> None:
-    if "mita.models.deit" in sys.modules:  # being imported now: it registers when it finishes
-        return
-    try:
-        import mita.models.deit  # noqa: F401  (registers the models on import)
-    except Exception as err:  # a broken timm must not break ``import timm`` or ``import mita``
-        warnings.warn(f"mita could not register its timm models: {err}", stacklevel=2)
+    for name in MODEL_MODULES:
+        if name in sys.modules:  # imported, or being imported now: it registers when it finishes
+            continue
+        try:
+            importlib.import_module(name)  # registers the models on import
+        except Exception as err:  # a broken timm must not break ``import timm`` or ``import mita``
+            warnings.warn(f"mita could not register its timm models ({name}): {err}", stacklevel=2)
 
 
 class _AfterTimmImport(importlib.abc.MetaPathFinder):

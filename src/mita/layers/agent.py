@@ -63,7 +63,8 @@ class AgentAttention(AttentionLayer):
     Args (besides timm's):
         num_agents: n, or (nh, nw) / a perfect square with a 2-D grid.
         grid: None (1-D pooling), (gh, gw), (gt, gh, gw), or "auto" (a square grid of N - num_prefix_tokens).
-        num_prefix_tokens: leading tokens (CLS) that are not pooled, biased or convolved.
+        num_prefix_tokens: leading tokens (CLS) that are not pooled, biased or convolved (nor rotated by ``rope``).
+        num_suffix_tokens: trailing tokens (ViT-5's registers) that are not pooled or convolved.
         agent_bias: learn the agent bias; needs the layout: ``grid=(gh, gw)``, or ``seq_len`` in 1-D.
         seq_len: N (prefix included) of a 1-D layout, for ``agent_bias``.
         dwc: add a depth-wise convolution of V (3x3 on the grid, 3 in 1-D) to the output.
@@ -77,20 +78,24 @@ class AgentAttention(AttentionLayer):
         num_agents: int | tuple[int, int] = 64,
         grid: tuple[int, int] | Literal["auto"] | None = None,
         num_prefix_tokens: int = 0,
+        num_suffix_tokens: int = 0,
         agent_bias: bool = False,
         seq_len: int | None = None,
         dwc: bool = False,
         **kwargs,
     ) -> None:
-        super().__init__(dim, num_heads, *args, **kwargs)
-        dd = {"device": kwargs.get("device"), "dtype": kwargs.get("dtype")}
+        super().__init__(
+            dim, num_heads, *args, num_prefix_tokens=num_prefix_tokens, num_suffix_tokens=num_suffix_tokens, **kwargs
+        )
+        dd = self.dd
         self.grid = check_grid_option(grid)
         self.num_agents = check_bins("num_agents", num_agents, self.grid)
-        self.num_prefix_tokens = check_int("num_prefix_tokens", num_prefix_tokens, 0)
         if seq_len is not None:
             seq_len = check_int("seq_len", seq_len, self.num_prefix_tokens + 1)
         self.patch_grid: PatchGrid | None = None  # the running forward's patch grid (models of varying image size)
         self.agent_bias = None
+        if agent_bias and self.num_suffix_tokens:
+            raise ValueError("agent_bias has no terms for suffix tokens; use num_suffix_tokens=0 or agent_bias=False")
         if agent_bias:
             n = math.prod(self.num_agents) if isinstance(self.num_agents, tuple) else self.num_agents
             if isinstance(self.grid, tuple) and len(self.grid) == 3:
@@ -108,11 +113,14 @@ class AgentAttention(AttentionLayer):
         self.dwc = depthwise_conv(self.attn_dim, self.grid, dd) if dwc else None
 
     def extra_repr(self) -> str:
-        return f"num_agents={self.num_agents}, grid={self.grid}, num_prefix_tokens={self.num_prefix_tokens}"
+        return (
+            f"num_agents={self.num_agents}, grid={self.grid}, num_prefix_tokens={self.num_prefix_tokens}, "
+            f"num_suffix_tokens={self.num_suffix_tokens}"
+        )
 
     def resolve_grid(self, n: int) -> tuple[int, ...] | None:
         """The grid for a sequence of n tokens: the running forward's patch grid, or ``grid`` ("auto": a square)."""
-        return resolve_grid(self.grid, n, self.num_prefix_tokens, self.patch_grid)
+        return resolve_grid(self.grid, n, self.num_prefix_tokens, self.patch_grid, self.num_suffix_tokens)
 
     def attend(self, q, k, v, key_padding_mask, is_causal):
         grid = self.resolve_grid(q.shape[2])
@@ -129,6 +137,7 @@ class AgentAttention(AttentionLayer):
             num_agents=self.num_agents,
             grid=grid,
             num_prefix_tokens=self.num_prefix_tokens,
+            num_suffix_tokens=self.num_suffix_tokens,
             key_padding_mask=key_padding_mask,
             query_padding_mask=key_padding_mask,
             dropout_p=self.dropout_p,
@@ -136,7 +145,8 @@ class AgentAttention(AttentionLayer):
             broadcast_bias=broadcast,
         )
         if self.dwc is not None:
-            out = out + conv_values(self.dwc, v, self.num_prefix_tokens, grid, key_padding_mask)
+            p, s = self.num_prefix_tokens, self.num_suffix_tokens
+            out = out + conv_values(self.dwc, v, p, grid, key_padding_mask, s)
             if key_padding_mask is not None:
                 out = out.masked_fill(~key_padding_mask[:, None, :, None], 0)
         return out

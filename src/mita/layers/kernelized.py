@@ -4,9 +4,9 @@ Each is a drop-in for timm's ``Attention`` (same arguments and ``qkv``/``proj`` 
 its method's parameters, in modules of their own (``feature_scale``, ``power``, ``dwc``,
 ``residual``): a timm state dict loads with ``strict=False``, missing exactly those, and
 ``mita.convert`` moves them along (and refuses to drop them).
-The convolutions on V run over the tokens after ``num_prefix_tokens``, on ``grid`` ((gh, gw),
-(gt, gh, gw), "auto" for a square of patches) or, with ``grid=None``, along the sequence; they
-are zero on the prefix tokens and padded tokens take no part.
+The convolutions on V run over the tokens between ``num_prefix_tokens`` and ``num_suffix_tokens``, on
+``grid`` ((gh, gw), (gt, gh, gw), "auto" for a square of patches) or, with ``grid=None``, along the
+sequence; they are zero on the prefix and suffix tokens and padded tokens take no part.
 """
 
 from __future__ import annotations
@@ -31,39 +31,39 @@ def _layout_dims(grid: GridOption) -> int:
     return 1 if grid is None else 2 if grid == "auto" else len(grid)
 
 
-def _tokens(v: torch.Tensor, num_prefix_tokens: int, grid: tuple[int, ...] | None, mask: torch.Tensor | None):
-    """V's tokens after the prefix as (B, H, D, *layout), padded tokens zero."""
+def _tokens(
+    v: torch.Tensor, span: tuple[int, int], grid: tuple[int, ...] | None, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """V's tokens between the prefix and the suffix (``span``: their counts) as (B, H, D, *layout);
+    padded tokens zero."""
     if mask is not None:
         v = v.masked_fill(~mask[:, None, :, None], 0)
-    x = v[:, :, num_prefix_tokens:].transpose(-1, -2)
+    x = v[:, :, span[0] : v.shape[2] - span[1]].transpose(-1, -2)
     return x if grid is None else x.unflatten(-1, grid)
 
 
-def _back(x: torch.Tensor, num_prefix_tokens: int) -> torch.Tensor:
-    """(B, H, D, *layout) back to (B, H, N, D) with zero rows for the prefix tokens."""
+def _back(x: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
+    """(B, H, D, *layout) back to (B, H, N, D) with zero rows for the prefix and suffix tokens."""
     x = x.flatten(3).transpose(-1, -2)
-    return F.pad(x, (0, 0, num_prefix_tokens, 0))
+    return F.pad(x, (0, 0, *span))
 
 
 class _LayoutAttention(AttentionLayer):
     """An :class:`AttentionLayer` that knows its token layout (for a convolution on V)."""
 
-    def __init__(
-        self, dim: int, num_heads: int, *args: Any, grid: GridOption = None, num_prefix_tokens: int = 0, **kwargs: Any
-    ) -> None:
+    def __init__(self, dim: int, num_heads: int, *args: Any, grid: GridOption = None, **kwargs: Any) -> None:
         super().__init__(dim, num_heads, *args, **kwargs)
         self.grid = check_grid_option(grid)
-        self.num_prefix_tokens = check_int("num_prefix_tokens", num_prefix_tokens, 0)
         self.patch_grid: PatchGrid | None = None  # the running forward's patch grid (models of varying image size)
 
     @property
-    def dd(self) -> dict:
-        """The device and dtype of the layer's parameters, for the ones a subclass adds."""
-        return {"device": self.qkv.weight.device, "dtype": self.qkv.weight.dtype}
+    def span(self) -> tuple[int, int]:
+        """The counts of the prefix and suffix tokens, outside the layout."""
+        return self.num_prefix_tokens, self.num_suffix_tokens
 
     def resolve_grid(self, n: int) -> tuple[int, ...] | None:
         """The grid for a sequence of n tokens: the running forward's patch grid, or ``grid`` ("auto": a square)."""
-        return resolve_grid(self.grid, n, self.num_prefix_tokens, self.patch_grid)
+        return resolve_grid(self.grid, n, self.num_prefix_tokens, self.patch_grid, self.num_suffix_tokens)
 
     def head_conv(self, kernel_size: int) -> nn.Module:
         """A depth-wise convolution of one head's D channels, shared by the heads (FLatten's, PolaFormer's)."""
@@ -75,11 +75,13 @@ class _LayoutAttention(AttentionLayer):
     def conv_values(self, conv: nn.Module, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """``conv`` applied to each head of V (B, H, N, D) over the layout; (B, H, N, D), zero on the prefix."""
         B, H, N, _ = v.shape
-        x = _tokens(v, self.num_prefix_tokens, self.resolve_grid(N), mask)
-        return _back(conv(x.flatten(0, 1)).unflatten(0, (B, H)), self.num_prefix_tokens)
+        x = _tokens(v, self.span, self.resolve_grid(N), mask)
+        return _back(conv(x.flatten(0, 1)).unflatten(0, (B, H)), self.span)
 
     def extra_repr(self) -> str:
-        return f"grid={self.grid}, num_prefix_tokens={self.num_prefix_tokens}"
+        return (
+            f"grid={self.grid}, num_prefix_tokens={self.num_prefix_tokens}, num_suffix_tokens={self.num_suffix_tokens}"
+        )
 
 
 class FeatureScale(nn.Module):
@@ -130,7 +132,7 @@ class FLattenAttention(_LayoutAttention):
         focusing_factor (float): p of the focusing function. Default: 3.0 (the paper's).
         dwc (bool): add the depth-wise convolution of V. Default: False.
         kernel_size (int): its kernel, odd. Default: 5 (the paper's).
-        grid, num_prefix_tokens: the token layout of the convolution (see the module).
+        grid, num_prefix_tokens, num_suffix_tokens: the token layout of the convolution (see the module).
     """
 
     def __init__(
@@ -143,9 +145,18 @@ class FLattenAttention(_LayoutAttention):
         kernel_size: int = 5,
         grid: GridOption = None,
         num_prefix_tokens: int = 0,
+        num_suffix_tokens: int = 0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(dim, num_heads, *args, grid=grid, num_prefix_tokens=num_prefix_tokens, **kwargs)
+        super().__init__(
+            dim,
+            num_heads,
+            *args,
+            grid=grid,
+            num_prefix_tokens=num_prefix_tokens,
+            num_suffix_tokens=num_suffix_tokens,
+            **kwargs,
+        )
         self.focusing_factor = check_positive("focusing_factor", focusing_factor)
         self.feature_scale = FeatureScale(num_heads, self.head_dim, self.dd)
         self.dwc = self.head_conv(_kernel_size(kernel_size)) if dwc else None
@@ -183,7 +194,7 @@ class PolaAttention(_LayoutAttention):
         alpha (float): the range of the learned exponent, p in (1, 1 + alpha). Default: 4.0.
         dwc (bool): add the depth-wise convolution of V. Default: False.
         kernel_size (int): its kernel, odd. Default: 5.
-        grid, num_prefix_tokens: the token layout of the convolution (see the module).
+        grid, num_prefix_tokens, num_suffix_tokens: the token layout of the convolution (see the module).
     """
 
     def __init__(
@@ -196,9 +207,18 @@ class PolaAttention(_LayoutAttention):
         kernel_size: int = 5,
         grid: GridOption = None,
         num_prefix_tokens: int = 0,
+        num_suffix_tokens: int = 0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(dim, num_heads, *args, grid=grid, num_prefix_tokens=num_prefix_tokens, **kwargs)
+        super().__init__(
+            dim,
+            num_heads,
+            *args,
+            grid=grid,
+            num_prefix_tokens=num_prefix_tokens,
+            num_suffix_tokens=num_suffix_tokens,
+            **kwargs,
+        )
         self.power = LearnedPower(num_heads, self.head_dim, check_positive("alpha", alpha), self.dd)
         self.feature_scale = FeatureScale(num_heads, self.head_dim, self.dd)
         self.dwc = self.head_conv(_kernel_size(kernel_size)) if dwc else None
@@ -232,7 +252,7 @@ class InLineAttention(_LayoutAttention):
 
     Args (besides timm's):
         local_residual (bool): add the local residual term. Default: True.
-        grid, num_prefix_tokens: the token layout of the convolution (see the module).
+        grid, num_prefix_tokens, num_suffix_tokens: the token layout of the convolution (see the module).
     """
 
     def __init__(
@@ -243,9 +263,18 @@ class InLineAttention(_LayoutAttention):
         local_residual: bool = True,
         grid: GridOption = None,
         num_prefix_tokens: int = 0,
+        num_suffix_tokens: int = 0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(dim, num_heads, *args, grid=grid, num_prefix_tokens=num_prefix_tokens, **kwargs)
+        super().__init__(
+            dim,
+            num_heads,
+            *args,
+            grid=grid,
+            num_prefix_tokens=num_prefix_tokens,
+            num_suffix_tokens=num_suffix_tokens,
+            **kwargs,
+        )
         c, taps = self.attn_dim, 3 ** _layout_dims(self.grid)
         self.residual = None
         if local_residual:
@@ -257,7 +286,14 @@ class InLineAttention(_LayoutAttention):
             )
         self._kernels: torch.Tensor | None = None  # (B, C * taps) of the running forward
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        *,
+        rope: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if self.residual is not None and isinstance(x, torch.Tensor) and x.dim() == 3:
             mask = padding_mask(attn_mask, x.shape[0], x.shape[1])
             if mask is None:
@@ -266,7 +302,7 @@ class InLineAttention(_LayoutAttention):
                 mean = x.masked_fill(~mask[..., None], 0).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
             self._kernels = self.residual(mean.unsqueeze(-1)).squeeze(-1)
         try:
-            return super().forward(x, attn_mask, is_causal)
+            return super().forward(x, attn_mask, is_causal, rope=rope)
         finally:
             self._kernels = None
 
@@ -283,10 +319,10 @@ class InLineAttention(_LayoutAttention):
             return out
         B, H, N, D = v.shape
         grid = self.resolve_grid(N)
-        x = _tokens(v, self.num_prefix_tokens, grid, key_padding_mask).reshape(1, B * H * D, *(grid or (-1,)))
+        x = _tokens(v, self.span, grid, key_padding_mask).reshape(1, B * H * D, *(grid or (-1,)))
         dims = x.dim() - 2
         weight = self._kernels.reshape(B * H * D, 1, *(3,) * dims)
         conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[dims]
         local = conv(x, weight, padding=1, groups=B * H * D).view(B, H, D, *x.shape[2:])
-        out = out + _back(local, self.num_prefix_tokens)
+        out = out + _back(local, self.span)
         return out if key_padding_mask is None else out.masked_fill(~key_padding_mask[:, None, :, None], 0)

@@ -7,7 +7,6 @@ from typing import Any
 
 import torch.nn as nn
 
-from ..ops.checks import check_int
 from ..ops.mhla import block_mixing, mhla_attention
 from .base import AttentionLayer, GridOption, PatchGrid, check_bins, check_grid_option, resolve_grid
 
@@ -32,7 +31,8 @@ class MHLAAttention(AttentionLayer):
         num_blocks (int | tuple): m; with a 2-D grid, (mh, mw) or a perfect square. Default: 16.
         grid (tuple | str | None): None (runs of the sequence), (gh, gw), (gt, gh, gw), or "auto"
             (a square grid of N - num_prefix_tokens). Default: None.
-        num_prefix_tokens (int): leading tokens (CLS) in no block. Default: 0.
+        num_prefix_tokens (int): leading tokens (CLS) in no block (nor rotated by ``rope``). Default: 0.
+        num_suffix_tokens (int): trailing tokens (ViT-5's registers) in no block. Default: 0.
     """
 
     def __init__(
@@ -43,25 +43,29 @@ class MHLAAttention(AttentionLayer):
         num_blocks: int | tuple[int, ...] = 16,
         grid: GridOption = None,
         num_prefix_tokens: int = 0,
+        num_suffix_tokens: int = 0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(dim, num_heads, *args, **kwargs)
+        super().__init__(
+            dim, num_heads, *args, num_prefix_tokens=num_prefix_tokens, num_suffix_tokens=num_suffix_tokens, **kwargs
+        )
         self.grid = check_grid_option(grid)
         self.num_blocks = check_bins("num_blocks", num_blocks, self.grid)
-        self.num_prefix_tokens = check_int("num_prefix_tokens", num_prefix_tokens, 0)
         self.patch_grid: PatchGrid | None = None  # the running forward's patch grid (models of varying image size)
         dims = 1 if self.grid is None else 2 if self.grid == "auto" else len(self.grid)
         m = math.prod(self.num_blocks) if isinstance(self.num_blocks, tuple) else self.num_blocks
         shape = self.num_blocks if isinstance(self.num_blocks, tuple) else (round(m ** (1 / dims)),) * dims
-        dd = {"device": self.qkv.weight.device, "dtype": self.qkv.weight.dtype}
-        self.mixing = BlockMixing(shape, dd)
+        self.mixing = BlockMixing(shape, self.dd)
 
     def extra_repr(self) -> str:
-        return f"num_blocks={self.num_blocks}, grid={self.grid}, num_prefix_tokens={self.num_prefix_tokens}"
+        return (
+            f"num_blocks={self.num_blocks}, grid={self.grid}, num_prefix_tokens={self.num_prefix_tokens}, "
+            f"num_suffix_tokens={self.num_suffix_tokens}"
+        )
 
     def resolve_grid(self, n: int) -> tuple[int, ...] | None:
         """The grid for a sequence of n tokens: the running forward's patch grid, or ``grid`` ("auto": a square)."""
-        return resolve_grid(self.grid, n, self.num_prefix_tokens, self.patch_grid)
+        return resolve_grid(self.grid, n, self.num_prefix_tokens, self.patch_grid, self.num_suffix_tokens)
 
     def attend(self, q, k, v, key_padding_mask, is_causal):
         return mhla_attention(
@@ -71,6 +75,7 @@ class MHLAAttention(AttentionLayer):
             num_blocks=self.num_blocks,
             grid=self.resolve_grid(q.shape[2]),
             num_prefix_tokens=self.num_prefix_tokens,
+            num_suffix_tokens=self.num_suffix_tokens,
             mixing=self.mixing.weight,
             key_padding_mask=key_padding_mask,
             query_padding_mask=key_padding_mask,

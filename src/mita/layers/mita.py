@@ -39,12 +39,18 @@ class MiTAAttention(AttentionLayer):
         num_routed (int): experts per query. Default: 1.
         grid (tuple | str | None): None (1-D pooling), (gh, gw), (gt, gh, gw) (video), or
             "auto" (a square grid of N - num_prefix_tokens: images). Default: None.
-        num_prefix_tokens (int): leading tokens (CLS, registers) that are not pooled. Default: 0.
-        compat (str | None): "official" reproduces the authors' DeiT code (spec section 2). Default: None.
+        num_prefix_tokens (int): leading tokens (CLS, registers) that are not pooled (nor rotated by
+            ``rope``). Default: 0.
+        num_suffix_tokens (int): trailing tokens (ViT-5's registers) that are not pooled. Default: 0.
+        compat (str | None): "official" reproduces the authors' code (spec section 2): without suffix
+            tokens their DeiT's (the first N - 1 tokens pooled on a floor(sqrt(N)) square), with them
+            their ViT-5's (the tokens between prefix and suffix pooled on a square); both scale the
+            landmark logits by 1/D. Default: None.
         branches (str): "both", or the ablations "shared" / "routed". Default: "both".
         impl (str): "auto", "fused", "triton", "grouped" or "reference" (see :func:`mita.mita_attention`).
             Default: "auto".
-        *args, **kwargs: timm's ``Attention`` arguments (``qkv_bias``, ``attn_drop``, ...).
+        *args, **kwargs: :class:`~mita.layers.AttentionLayer`'s (timm's ``Attention`` arguments, the
+            ``AttentionRope`` / ``EvaAttention`` layouts).
     """
 
     def __init__(
@@ -57,12 +63,15 @@ class MiTAAttention(AttentionLayer):
         num_routed: int = 1,
         grid: GridOption = None,
         num_prefix_tokens: int = 0,
+        num_suffix_tokens: int = 0,
         compat: Literal["official"] | None = None,
         branches: Literal["both", "shared", "routed"] = "both",
         impl: str = "auto",
         **kwargs: Any,
     ) -> None:
-        super().__init__(dim, num_heads, *args, **kwargs)
+        super().__init__(
+            dim, num_heads, *args, num_prefix_tokens=num_prefix_tokens, num_suffix_tokens=num_suffix_tokens, **kwargs
+        )
         if compat not in (None, "official"):
             raise ValueError(f"compat must be None or 'official', got {compat!r}")
         if impl not in ("auto", *IMPLEMENTATIONS):
@@ -70,7 +79,8 @@ class MiTAAttention(AttentionLayer):
         if branches not in ("both", "shared", "routed"):
             raise ValueError(f"branches must be 'both', 'shared' or 'routed', got {branches!r}")
         self.grid, self.compat, self.impl = check_grid_option(grid), compat, impl
-        self.num_prefix_tokens = check_int("num_prefix_tokens", num_prefix_tokens, 0)
+        if compat == "official" and self.grid is None:  # the authors pool on a square of patches
+            self.grid = "auto"
         self.num_landmarks, self.topk, self.num_routed = num_landmarks, topk, num_routed
         m = math.prod(self.num_landmarks) if isinstance(self.num_landmarks, tuple) else self.num_landmarks
         if self.num_routed > m:
@@ -110,12 +120,13 @@ class MiTAAttention(AttentionLayer):
     def extra_repr(self) -> str:
         return (
             f"num_landmarks={self.num_landmarks}, topk={self.topk}, num_routed={self.num_routed}, "
-            f"grid={self.grid}, num_prefix_tokens={self.num_prefix_tokens}, compat={self.compat}"
+            f"grid={self.grid}, num_prefix_tokens={self.num_prefix_tokens}, "
+            f"num_suffix_tokens={self.num_suffix_tokens}, compat={self.compat}"
         )
 
     def resolve_grid(self, n: int) -> tuple[int, ...] | None:
         """The grid for a sequence of n tokens: the running forward's patch grid, or ``grid`` ("auto": a square)."""
-        return resolve_grid(self.grid, n, self.num_prefix_tokens, self.patch_grid)
+        return resolve_grid(self.grid, n, self.num_prefix_tokens, self.patch_grid, self.num_suffix_tokens)
 
     def attend(self, q, k, v, key_padding_mask, is_causal):
         kwargs = dict(
@@ -128,10 +139,16 @@ class MiTAAttention(AttentionLayer):
             branches=self.branches,
             impl=self.impl,
         )
-        if self.compat == "official":
-            kwargs.update(landmarks=official_landmarks(q, self.num_landmarks), landmark_scale=self.head_dim**-1.0)
-        else:
-            kwargs.update(grid=self.resolve_grid(q.shape[2]), num_prefix_tokens=self.num_prefix_tokens)
+        if self.compat == "official":  # the authors' landmark logits: q . q~ / D
+            kwargs.update(landmark_scale=self.head_dim**-1.0)
+        if self.compat == "official" and not self.num_suffix_tokens:  # their DeiT's landmarks
+            kwargs.update(landmarks=official_landmarks(q, self.num_landmarks))
+        else:  # the spec's; their ViT-5 pools the patch queries on their square, which is the same
+            kwargs.update(
+                grid=self.resolve_grid(q.shape[2]),
+                num_prefix_tokens=self.num_prefix_tokens,
+                num_suffix_tokens=self.num_suffix_tokens,
+            )
         if not self.record_routing:
             return mita_attention(q, k, v, **kwargs)
         out, self.routing = mita_attention(q, k, v, **kwargs, return_routing=True)
@@ -143,7 +160,7 @@ class MiTAVisionAttention(MiTAAttention):
 
     Args:
         dwc (bool): add a depth-wise convolution of V over the patch grid (3x3, or 3x3x3 on a
-            3-D grid) to the attention output (zero on the prefix tokens); it restores the
+            3-D grid) to the attention output (zero on the prefix and suffix tokens); it restores the
             locality that sparse routing loses. Needs a grid. Default: False.
         out_gate (bool): multiply ``SiLU(x W_g)`` into the attention output before ``proj``.
             The authors' gated checkpoints fuse ``qkv`` and ``W_g`` into one ``qkvg``
@@ -155,20 +172,27 @@ class MiTAVisionAttention(MiTAAttention):
         super().__init__(dim, num_heads, *args, **kwargs)
         if dwc and self.grid is None:
             raise ValueError("dwc=True needs a patch grid: pass grid='auto' or grid=(gh, gw)")
-        dd = {"device": self.qkv.weight.device, "dtype": self.qkv.weight.dtype}
-        c = self.attn_dim
+        dd, c = self.dd, self.attn_dim
         self.dwc = depthwise_conv(c, self.grid, dd) if dwc else None
-        self.out_gate = nn.Linear(dim, c, bias=self.qkv.bias is not None, **dd) if out_gate else None
+        qkv_bias = (self.qkv if self.qkv is not None else self.q_proj).bias is not None or self.q_bias is not None
+        self.out_gate = nn.Linear(dim, c, bias=qkv_bias, **dd) if out_gate else None
         if self.out_gate is not None:  # timm's ViT init for linear layers
             nn.init.trunc_normal_(self.out_gate.weight, std=0.02)
             if self.out_gate.bias is not None:
                 nn.init.zeros_(self.out_gate.bias)
         self._gate_value: torch.Tensor | None = None  # SiLU(x W_g) of the running forward
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        *,
+        rope: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         self._gate_value = F.silu(self.out_gate(x)) if self.out_gate is not None else None
         try:
-            return super().forward(x, attn_mask, is_causal)
+            return super().forward(x, attn_mask, is_causal, rope=rope)
         finally:
             self._gate_value = None
 
@@ -176,8 +200,8 @@ class MiTAVisionAttention(MiTAAttention):
         out = super().attend(q, k, v, key_padding_mask, is_causal)
         B, H, N, D = v.shape
         if self.dwc is not None:
-            grid = self.resolve_grid(N)
-            out = out + conv_values(self.dwc, v, N - math.prod(grid), grid, key_padding_mask)
+            grid, suffix = self.resolve_grid(N), self.num_suffix_tokens
+            out = out + conv_values(self.dwc, v, N - math.prod(grid) - suffix, grid, key_padding_mask, suffix)
         if self._gate_value is not None:
             out = out * self._gate_value.reshape(B, N, H, D).transpose(1, 2)
         return out

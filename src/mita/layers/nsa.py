@@ -42,19 +42,25 @@ class NSAAttention(AttentionLayer):
         self.block_size, self.topk = check_int("block_size", block_size), check_int("topk", topk)
         self.window = check_int("window", window, 0)
         self.chunk_size = None if chunk_size is None else check_int("chunk_size", chunk_size)
-        dd = {"device": self.qkv.weight.device, "dtype": self.qkv.weight.dtype}
-        self.gate_proj = nn.Linear(dim, 3 * num_heads, **dd)
+        self.gate_proj = nn.Linear(dim, 3 * num_heads, **self.dd)
         self._gates: torch.Tensor | None = None  # (B, H, N, 3) of the running forward
 
     def extra_repr(self) -> str:
         return f"block_size={self.block_size}, topk={self.topk}, window={self.window}"
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        *,
+        rope: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if isinstance(x, torch.Tensor) and x.dim() == 3:
             B, N, _ = x.shape
             self._gates = torch.sigmoid(self.gate_proj(x)).view(B, N, self.num_heads, 3).transpose(1, 2)
         try:
-            return super().forward(x, attn_mask, is_causal)
+            return super().forward(x, attn_mask, is_causal, rope=rope)
         finally:
             self._gates = None
 

@@ -43,7 +43,7 @@ class TTTLinearAttention(AttentionLayer):
         super().__init__(dim, num_heads, *args, **kwargs)
         self.inner_lr = check_inner_lr(inner_lr)
         self.mini_batch_size = None if mini_batch_size is None else check_int("mini_batch_size", mini_batch_size)
-        dd = {"device": self.qkv.weight.device, "dtype": self.qkv.weight.dtype}
+        dd = self.dd
         self.inner = InnerModel(num_heads, self.head_dim, dd)
 
     def extra_repr(self) -> str:

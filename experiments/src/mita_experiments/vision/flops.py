@@ -82,15 +82,15 @@ def mita_counted_flops(
     k: int,
     grid: tuple[int, ...] | None = None,
     num_prefix_tokens: int = 1,
+    num_suffix_tokens: int = 0,
 ) -> float:
-    """FlopCounterMode on :func:`mita_attention` (B=1), per head: on ``grid`` after ``num_prefix_tokens``
-    tokens (default: a square grid after one CLS token)."""
-    grid = grid or (math.isqrt(n - num_prefix_tokens),) * 2
+    """FlopCounterMode on :func:`mita_attention` (B=1), per head: on ``grid`` between ``num_prefix_tokens``
+    and ``num_suffix_tokens`` tokens (default: a square grid after one CLS token)."""
+    grid = grid or (math.isqrt(n - num_prefix_tokens - num_suffix_tokens),) * 2
     q, kk, v = torch.randn(3, 1, heads, n, d).unbind(0)
+    ends = {"num_prefix_tokens": num_prefix_tokens, "num_suffix_tokens": num_suffix_tokens}
     with FlopCounterMode(display=False) as counter:
-        mita_attention(
-            q, kk, v, num_landmarks=m, topk=k, grid=grid, num_prefix_tokens=num_prefix_tokens, impl="grouped"
-        )
+        mita_attention(q, kk, v, num_landmarks=m, topk=k, grid=grid, **ends, impl="grouped")
     landmarks = m if isinstance(m, int) else math.prod(m)
     return counter.get_total_flops() / heads + selection_ops(n, d, landmarks, k)
 
@@ -151,6 +151,48 @@ def length_sweep(sizes: tuple[int, ...] | None = None, m: int = 49) -> list[dict
         backbone_row(Backbone("ViT-S backbone", 384, 12, 6, s, m, num_classes=0), counted=False)
         for s in sizes or SWEEP_SIZES
     ]
+
+
+#: ViT-5-S's image sizes and the MiTA authors' MiTA-ViT-5 setting (m = 25 landmarks from the patches, k = 30)
+VIT5_SIZES = (224, 384, 512)
+
+
+def vit5_rows(sizes: tuple[int, ...] = VIT5_SIZES, m: int = 25, k: int = 30) -> list[dict[str, float | int | str]]:
+    """ViT-5-S (``vit5_small``: CLS, patches, 4 registers; RoPE) against MiTA-ViT-5-S, per image size.
+
+    As :func:`backbone_row`: the dense model counted on meta, its attention matmuls replaced by
+    MiTA's formula plus selection work (N counts the CLS token and the registers, which take part
+    as queries and keys), and by the counted implementation (landmarks from the patches only).
+    """
+    import timm
+
+    rows: list[dict[str, float | int | str]] = []
+    for size in sizes:
+        model = timm.create_model("vit5_small", pretrained=False, img_size=size, device="meta")
+        with FlopCounterMode(display=False) as counter:
+            model(torch.empty(1, 3, size, size, device="meta"))
+        total, side = float(counter.get_total_flops()), size // 16
+        n, heads, depth = side * side + 5, model.blocks[0].attn.num_heads, len(model.blocks)
+        d = model.embed_dim // heads
+        attn = depth * heads * registry.flops("sdpa", n, d)
+        mita = total - attn + depth * heads * mita_formula_flops(n, d, m, k)
+        counted = total - attn + depth * heads * mita_counted_flops(n, d, heads, m, k, num_suffix_tokens=4)
+        rows.append(
+            {
+                "model": "ViT-5-S",
+                "image": f"{size}x{size}",
+                "N": n,
+                "m, k": f"{m}, {k}",
+                "params (M)": sum(p.numel() for p in model.parameters()) / 1e6,
+                "full GFLOPs": total / 1e9,
+                "attention share (%)": 100 * attn / total,
+                "MiTA GFLOPs": mita / 1e9,
+                "reduction (%)": 100 * (1 - mita / total),
+                "MiTA GFLOPs (counted impl)": counted / 1e9,
+                "reduction, counted (%)": 100 * (1 - counted / total),
+            }
+        )
+    return rows
 
 
 def method_flops_per_head(lengths: list[int], d: int = 64) -> dict[str, list[float]]:
