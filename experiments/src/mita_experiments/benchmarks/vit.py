@@ -187,8 +187,9 @@ def measure(
     labels = torch.randint(0, models[BASELINE].num_classes, (size.batch,), generator=gen)
     make = inference_call if mode == "infer" else lambda m, x: training_call(m, x, labels)
     timed = side_by_side({v: make(m, images) for v, m in models.items()}, rounds, BASELINE, on_round)
-    grid = models[BASELINE].patch_embed.grid_size
-    tokens = grid[0] * grid[1] + int(getattr(models[BASELINE], "num_prefix_tokens", 0))
+    base = models[BASELINE]  # tokens: the patches, the prefix (CLS, registers) and any suffix (ViT-5's registers)
+    ends = int(getattr(base, "num_prefix_tokens", 0)) + int(getattr(base, "num_suffix_tokens", 0))
+    tokens = math.prod(base.patch_embed.grid_size) + ends
     return [
         {
             "model": name,
