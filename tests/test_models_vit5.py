@@ -232,3 +232,16 @@ def test_rope_period_of_the_registers():
     rope = ViT5RotaryEmbedding(16, (4, 4))((4, 4))
     sin = rope[16 + 1, :16]
     assert math.isclose(float(sin[8]), math.sin(1.0), rel_tol=1e-6) and float(sin[0]) == 0.0
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model = tiny("mita_vit5_small", num_landmarks=4, topk=6).double()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    grads = []
+    for enable in (False, True):
+        model.set_grad_checkpointing(enable)
+        model.zero_grad()
+        model(x).square().sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
