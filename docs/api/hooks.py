@@ -31,12 +31,7 @@ _LINK = re.compile(r"(\]\()([^)\s#]+)")
 
 #: griffe warnings tolerated until the docstring is fixed (Google style wants one name per
 #: parameter line: ``device:`` and ``dtype:``, ``*args:`` and ``**kwargs:``, not ``a, b:``)
-KNOWN_GRIFFE_WARNINGS = {
-    ("src/mita/layers/base.py", "No type or annotation for parameter 'device, dtype'"),
-    ("src/mita/layers/base.py", "Parameter 'device, dtype' does not appear in the function signature"),
-    ("src/mita/layers/mita.py", "No type or annotation for parameter '*args, **kwargs'"),
-    ("src/mita/layers/mita.py", "Parameter '*args, **kwargs' does not appear in the function signature"),
-}
+KNOWN_GRIFFE_WARNINGS: set[tuple[str, str]] = set()
 _GRIFFE = re.compile(r"(?:griffe: )?(\S+?):\d+: (.+)", re.S)
 _seen: set[tuple[str, str]] = set()
 log = logging.getLogger("mkdocs.hooks.api")

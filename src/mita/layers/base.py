@@ -198,7 +198,8 @@ class AttentionLayer(nn.Module):
         attn_drop (float): dropout on the attention probabilities in training. Default: 0.0.
         proj_drop (float): dropout after the output projection. Default: 0.0.
         norm_layer (type | None): the norm of ``qk_norm`` / ``scale_norm``. Default: None.
-        device, dtype: of the parameters. Default: None.
+        device (torch.device | str | None): of the parameters. Default: None.
+        dtype (torch.dtype | None): of the parameters. Default: None.
         qkv_fused (bool): one ``qkv`` projection; False: ``q_proj``, ``k_proj``, ``v_proj``. Default: True.
         num_kv_heads (int | None): key/value heads Hkv (grouped-query attention, a divisor of num_heads;
             needs ``qkv_fused=False``); None takes num_heads. Default: None.

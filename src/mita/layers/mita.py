@@ -49,7 +49,8 @@ class MiTAAttention(AttentionLayer):
         branches (str): "both", or the ablations "shared" / "routed". Default: "both".
         impl (str): "auto", "fused", "triton", "grouped" or "reference" (see :func:`mita.mita_attention`).
             Default: "auto".
-        *args, **kwargs: :class:`~mita.layers.AttentionLayer`'s (timm's ``Attention`` arguments, the
+        *args (Any): :class:`~mita.layers.AttentionLayer`'s positional arguments after ``num_heads``.
+        **kwargs (Any): :class:`~mita.layers.AttentionLayer`'s (timm's ``Attention`` arguments, the
             ``AttentionRope`` / ``EvaAttention`` layouts).
     """
 
@@ -165,10 +166,13 @@ class MiTAVisionAttention(MiTAAttention):
         out_gate (bool): multiply ``SiLU(x W_g)`` into the attention output before ``proj``.
             The authors' gated checkpoints fuse ``qkv`` and ``W_g`` into one ``qkvg``
             projection; such a state dict is split on load. Default: False.
-        *args, **kwargs: :class:`MiTAAttention`'s.
+        *args (Any): :class:`MiTAAttention`'s positional arguments after ``num_heads``.
+        **kwargs (Any): :class:`MiTAAttention`'s keyword arguments.
     """
 
-    def __init__(self, dim: int, num_heads: int = 8, *args: Any, dwc: bool = False, out_gate: bool = False, **kwargs):
+    def __init__(
+        self, dim: int, num_heads: int = 8, *args: Any, dwc: bool = False, out_gate: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(dim, num_heads, *args, **kwargs)
         if dwc and self.grid is None:
             raise ValueError("dwc=True needs a patch grid: pass grid='auto' or grid=(gh, gw)")

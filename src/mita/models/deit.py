@@ -14,32 +14,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from timm.models import build_model_with_cfg, generate_default_cfgs, load_pretrained, register_model
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer
 
 from . import convert as conversion  # the module, not its function: convert.py imports timm, which imports this
+from .weights import load_local_checkpoint, pretrained_cfg
 
 #: MiTA options a model entry point accepts (the rest goes to ``VisionTransformer``)
 MITA_OPTIONS = ("num_landmarks", "topk", "num_routed", "compat", "branches", "impl", "dwc", "out_gate")
-
-
-def _cfg(**kwargs: Any) -> dict[str, Any]:
-    """timm's pretrained config of a MiTA-DeiT model (no downloadable weights)."""
-    return {
-        "url": "",
-        "num_classes": 1000,
-        "input_size": (3, 224, 224),
-        "pool_size": None,
-        "crop_pct": 0.875,
-        "interpolation": "bicubic",
-        "fixed_input_size": True,
-        "mean": (0.485, 0.456, 0.406),
-        "std": (0.229, 0.224, 0.225),
-        "first_conv": "patch_embed.proj",
-        "classifier": "head",
-        "paper_ids": "arXiv:2602.01219",
-        **kwargs,
-    }
 
 
 MODEL_NAMES = [
@@ -47,7 +29,7 @@ MODEL_NAMES = [
     for size in ("tiny", "small", "base")
     for suffix in ("", "_dwc", "_dwc_gate")
 ]
-default_cfgs = generate_default_cfgs({name: _cfg() for name in MODEL_NAMES})
+default_cfgs = generate_default_cfgs({name: pretrained_cfg(paper_ids="arXiv:2602.01219") for name in MODEL_NAMES})
 
 
 def _create(variant: str, pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
@@ -56,13 +38,7 @@ def _create(variant: str, pretrained: bool = False, **kwargs: Any) -> VisionTran
     model = build_model_with_cfg(VisionTransformer, variant, pretrained=False, **kwargs)
     conversion.convert(model, "mita", **mita_options)
     if pretrained:
-        cfg = model.pretrained_cfg
-        if not (cfg.get("file") or cfg.get("state_dict")):
-            raise ValueError(
-                f"{variant} has no downloadable weights; pass pretrained_cfg_overlay=dict(file='checkpoint.pth') "
-                "with the authors' checkpoint, or load it with model.load_state_dict"
-            )
-        load_pretrained(model, pretrained_cfg=cfg, num_classes=model.num_classes)
+        load_local_checkpoint(model, variant)
     return model
 
 

@@ -27,11 +27,12 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 from timm.layers import PatchEmbed, RmsNorm, resample_abs_pos_embed, trunc_normal_
-from timm.models import build_model_with_cfg, generate_default_cfgs, load_pretrained, register_model
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.eva import EvaBlock
 
 from ..ops.checks import check_int
 from . import convert as conversion  # the module, not its function (see deit.py)
+from .weights import load_local_checkpoint, pretrained_cfg
 
 __all__ = ["MITA_OPTIONS", "MODEL_NAMES", "ViT5", "ViT5RotaryEmbedding", "checkpoint_filter_fn"]
 
@@ -119,14 +120,17 @@ class ViT5(nn.Module):
         mlp_ratio (float): Default: 4.0.
         qkv_bias (bool): Default: False.
         num_registers (int): register tokens after the patches, a perfect square. Default: 4.
-        rope_theta (float), register_theta (float): RoPE bases of the patches and registers. Default: 1e4, 100.
+        rope_theta (float): RoPE base of the patches. Default: 1e4.
+        register_theta (float): RoPE base of the registers (on a grid of their own). Default: 100.
         init_values (float | None): layer-scale initial value; None for no layer scale. Default: 1e-4.
         drop_rate (float): dropout before the head. Default: 0.0.
-        proj_drop_rate, attn_drop_rate, drop_path_rate (float): the blocks' dropouts and stochastic depth
-            (the same rate in every block, as ViT-5's). Default: 0.0.
+        proj_drop_rate (float): dropout after each block's attention projection. Default: 0.0.
+        attn_drop_rate (float): dropout on the attention probabilities. Default: 0.0.
+        drop_path_rate (float): stochastic depth, the same rate in every block (as ViT-5's). Default: 0.0.
         dynamic_img_size (bool): take images of any size (multiples of the patch): the position
             embedding is resampled and RoPE's positions rescaled to the new grid. Default: False.
-        device, dtype: of the parameters. Default: None.
+        device (torch.device | str | None): of the parameters. Default: None.
+        dtype (torch.dtype | None): of the parameters. Default: None.
     """
 
     def __init__(
@@ -275,32 +279,15 @@ def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: nn.Module) 
     return {k: v for k, v in state_dict.items() if not k.endswith((".rope.freqs", ".rope_reg.freqs"))}
 
 
-def _cfg(**kwargs: Any) -> dict[str, Any]:
-    """timm's pretrained config of a ViT-5 model (no downloadable weights)."""
-    return {
-        "url": "",
-        "num_classes": 1000,
-        "input_size": (3, 224, 224),
-        "pool_size": None,
-        "crop_pct": 1.0,  # the ViT-5 recipe evaluates at crop ratio 1.0
-        "interpolation": "bicubic",
-        "fixed_input_size": True,
-        "mean": (0.485, 0.456, 0.406),
-        "std": (0.229, 0.224, 0.225),
-        "first_conv": "patch_embed.proj",
-        "classifier": "head",
-        "paper_ids": "arXiv:2602.08071",
-        **kwargs,
-    }
-
-
 MODEL_NAMES = [
     *(f"vit5_{size}" for size in ("small", "base")),
     *(f"mita_vit5_{size}{suffix}" for size in ("small", "base") for suffix in ("", "_dwc")),
 ]
+PAPERS = {"mita": "arXiv:2602.01219", "vit5": "arXiv:2602.08071"}
 default_cfgs = generate_default_cfgs(
     {
-        name: _cfg(paper_ids="arXiv:2602.01219" if name.startswith("mita") else "arXiv:2602.08071")
+        # the ViT-5 recipe evaluates at crop ratio 1.0
+        name: pretrained_cfg(crop_pct=1.0, paper_ids=PAPERS[name.split("_")[0]])
         for name in MODEL_NAMES
     }
 )
@@ -315,13 +302,7 @@ def _create(variant: str, pretrained: bool = False, mita: bool = False, **kwargs
     if mita:
         conversion.convert(model, "mita", **{"num_landmarks": 25, "topk": 30, **options})
     if pretrained:
-        cfg = model.pretrained_cfg
-        if not (cfg.get("file") or cfg.get("state_dict")):
-            raise ValueError(
-                f"{variant} has no downloadable weights; pass pretrained_cfg_overlay=dict(file='checkpoint.pth') "
-                "with a checkpoint of the authors' code, or load it with model.load_state_dict"
-            )
-        load_pretrained(model, pretrained_cfg=cfg, num_classes=model.num_classes, filter_fn=checkpoint_filter_fn)
+        load_local_checkpoint(model, variant, checkpoint_filter_fn)
     return model
 
 
