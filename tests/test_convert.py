@@ -266,3 +266,14 @@ def test_other_attention_classes_are_refused_by_name(build, name):
     with pytest.raises(ValueError, match=rf"convert cannot take \S*{name}\S* \(at "):
         convert(model, "mita")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing was touched
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_eva_qkv_bias_separate_survives_the_round_trip(separate):
+    """EvaAttention's ``qkv_bias_separate`` (how its q/v biases are added) comes back on revert."""
+    layer = timm.models.eva.EvaAttention(32, 4, qkv_bias=True, qkv_bias_separate=separate, scale_norm=False)
+    model = torch.nn.Sequential(layer)
+    convert(model, "mita", num_landmarks=1, topk=4, grid=None)
+    assert model[0].timm_qkv_bias_separate is separate
+    revert(model)
+    assert isinstance(model[0], timm.models.eva.EvaAttention) and model[0].qkv_bias_separate is separate

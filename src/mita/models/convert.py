@@ -116,7 +116,10 @@ def _new_layer(old: nn.Module, attention: registry.Config | str, options: dict[s
     if attention == "timm":
         if options:
             raise ValueError(f"convert(attention='timm') takes no options, got {sorted(options)}")
-        return _timm_layer(_timm_class(old, layout), dim, heads, layout)
+        layer = _timm_layer(_timm_class(old, layout), dim, heads, layout)
+        if isinstance(layer, EvaAttention):  # how its bias is added: a flag of timm's, no layout of weights
+            layer.qkv_bias_separate = getattr(old, "timm_qkv_bias_separate", False)
+        return layer
     name, config_options = registry.parse(attention)
     method = registry.get(name)
     valid = registry.layer_options(method, MiTAVisionAttention if name == "mita" else None)
@@ -131,6 +134,7 @@ def _new_layer(old: nn.Module, attention: registry.Config | str, options: dict[s
     else:
         layer = registry.build_layer({"name": name, **options}, dim, heads, **layout)
     layer.timm_class = type(old) if type(old) in TIMM_CLASSES else getattr(old, "timm_class", None)
+    layer.timm_qkv_bias_separate = getattr(old, "qkv_bias_separate", getattr(old, "timm_qkv_bias_separate", False))
     return layer
 
 
