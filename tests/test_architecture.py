@@ -23,7 +23,8 @@ try:
 except ImportError:  # the library installed alone
     pass
 ABOVE_OPS = ("mita.layers", "mita.models", "mita.integrations", "mita.attention", "mita.registrations")
-EXPERIMENTS = ("lra", "recall", "vision", "video", "benchmarks")
+#: the experiment packages of mita_experiments (besides them: the trainer, the utils and the command line)
+EXPERIMENTS = ("benchmarks", "lra", "recall", "segmentation", "video", "vision")
 
 
 def _module_name(root: str, path: Path) -> str:
@@ -119,6 +120,30 @@ def test_utils_import_only_utils() -> None:
 
 
 needs_experiments = pytest.mark.skipif("mita_experiments" not in ROOTS, reason="mita-experiments not installed")
+
+
+@needs_experiments
+def test_every_experiment_package_is_listed() -> None:
+    """A new experiment package joins :data:`EXPERIMENTS`, so that the checks below cover it."""
+    top = {n.split(".")[1] for n in PACKAGES if n.startswith("mita_experiments.") and n.count(".") == 1}
+    assert top - {"trainer", "utils"} == set(EXPERIMENTS)
+
+
+@needs_experiments
+def test_the_trainer_imports_no_experiment() -> None:
+    experiments = tuple(f"mita_experiments.{e}" for e in EXPERIMENTS)
+    assert GRAPH.get("mita_experiments.trainer.loop") is not None
+    assert not (bad := _bad("mita_experiments.trainer", lambda m: m.startswith(experiments))), bad
+
+
+@needs_experiments
+def test_the_graph_sees_the_experiments_imports() -> None:
+    """A known edge between experiments (segmentation builds on the digits testbed's public names), and
+    that the segmentation experiment's modules are all parsed."""
+    assert "mita_experiments.vision.digits.Tensors" in NAMES["mita_experiments.segmentation.task"]
+    assert "mita_experiments.vision.digits" in GRAPH["mita_experiments.segmentation.task"]
+    parsed = {n for n in GRAPH if n.startswith("mita_experiments.segmentation.")}
+    assert {"mita_experiments.segmentation.task", "mita_experiments.segmentation.train"} <= parsed
 
 
 @needs_experiments

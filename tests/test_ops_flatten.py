@@ -1,5 +1,5 @@
-"""FLatten's focused linear attention (issue 28): efficient path against the reference, padding, the
-focusing function written out, gradients, errors, the layer."""
+"""FLatten's focused linear attention (issue 28): the focusing function written out, errors, the layer. Its
+paths against each other, padding and gradcheck: ``test_ops_pairs.py``."""
 
 from __future__ import annotations
 
@@ -7,46 +7,12 @@ import pytest
 import torch
 
 from _pairs import (
-    assert_gradcheck,
     assert_layer_extras,
-    assert_masked_equals_truncated,
-    assert_paths_agree,
-    no_options,
-    padding_cases,
-    paths_agree_cases,
 )
 from _zoo import F64, padding, qkv
 from mita import attention as registry
 from mita.layers import FLattenAttention
-from mita.ops.flatten import focused_linear_attention, focused_linear_attention_reference
-from test_ops_padding import _check_padding_is_inert
-
-
-def learned(H: int, Hkv: int, Nq: int, D: int) -> dict:
-    """A learned per-(kv head, channel) scale and a fractional focusing factor."""
-    return {"feature_scale": (0.5 + torch.rand(Hkv, D, dtype=F64)).requires_grad_(), "focusing_factor": 2.5}
-
-
-@pytest.mark.parametrize("options", [no_options, learned], ids=["defaults", "learned-scale"])
-@pytest.mark.parametrize(("nq", "nk", "groups", "masked"), paths_agree_cases())
-def test_efficient_matches_reference(nq, nk, groups, masked, options):
-    assert_paths_agree(focused_linear_attention, focused_linear_attention_reference, options, nq, nk, groups, masked)
-
-
-@pytest.mark.parametrize(("tensor", "fill", "hkv", "nq", "nk"), padding_cases())
-@pytest.mark.parametrize("op", [focused_linear_attention, focused_linear_attention_reference], ids=["fast", "ref"])
-def test_padded_slots_take_no_part(op, tensor, fill, hkv, nq, nk):
-    _check_padding_is_inert(op, tensor, fill, hkv, nq, nk, {"feature_scale": torch.full((8,), 0.7, dtype=F64)})
-
-
-@pytest.mark.parametrize("op", [focused_linear_attention, focused_linear_attention_reference], ids=["fast", "ref"])
-def test_masked_sequence_equals_the_truncated_sequence(op):
-    assert_masked_equals_truncated(op, {})
-
-
-@pytest.mark.parametrize("op", [focused_linear_attention, focused_linear_attention_reference], ids=["fast", "ref"])
-def test_gradcheck(op):
-    assert_gradcheck(op, learned)
+from mita.ops.flatten import focused_linear_attention
 
 
 @pytest.mark.parametrize("p", [1.0, 3.0])

@@ -1,5 +1,5 @@
-"""InLine attention (issue 28): efficient path against the reference, padding, the injective
-normalisation's closed forms, gradients, errors, the layer and its local residual."""
+"""InLine attention (issue 28): the injective normalisation's closed forms, errors, the layer and its local
+residual. Its paths against each other, padding and gradcheck: ``test_ops_pairs.py``."""
 
 from __future__ import annotations
 
@@ -7,45 +7,12 @@ import pytest
 import torch
 
 from _pairs import (
-    assert_gradcheck,
     assert_layer_extras,
-    assert_masked_equals_truncated,
-    assert_paths_agree,
-    no_options,
-    padding_cases,
-    paths_agree_cases,
 )
 from _zoo import F64, padding, qkv
 from mita import attention as registry
 from mita.layers import InLineAttention
 from mita.ops.inline import inline_attention, inline_attention_reference
-from test_ops_padding import _check_padding_is_inert
-
-
-def scaled(H: int, Hkv: int, Nq: int, D: int) -> dict:
-    return {"scale": 0.3}
-
-
-@pytest.mark.parametrize("options", [no_options, scaled], ids=["defaults", "scale"])
-@pytest.mark.parametrize(("nq", "nk", "groups", "masked"), paths_agree_cases())
-def test_efficient_matches_reference(nq, nk, groups, masked, options):
-    assert_paths_agree(inline_attention, inline_attention_reference, options, nq, nk, groups, masked)
-
-
-@pytest.mark.parametrize(("tensor", "fill", "hkv", "nq", "nk"), padding_cases())
-@pytest.mark.parametrize("op", [inline_attention, inline_attention_reference], ids=["fast", "ref"])
-def test_padded_slots_take_no_part(op, tensor, fill, hkv, nq, nk):
-    _check_padding_is_inert(op, tensor, fill, hkv, nq, nk, {})
-
-
-@pytest.mark.parametrize("op", [inline_attention, inline_attention_reference], ids=["fast", "ref"])
-def test_masked_sequence_equals_the_truncated_sequence(op):
-    assert_masked_equals_truncated(op, {})
-
-
-@pytest.mark.parametrize("op", [inline_attention, inline_attention_reference], ids=["fast", "ref"])
-def test_gradcheck(op):
-    assert_gradcheck(op, scaled)
 
 
 def test_weights_written_out():

@@ -1,6 +1,6 @@
 """MHLA, linear attention over token blocks with mixed summaries (issue 28): efficient path against the
-reference, padding, the closed forms (one block, identity mixing, the authors' cosine mixing), gradients,
-errors, the layer."""
+reference on block grids, the closed forms (one block, identity mixing, the authors' cosine mixing), errors,
+the layer. Its paths against each other on sequences, padding and gradcheck: ``test_ops_pairs.py``."""
 
 from __future__ import annotations
 
@@ -10,38 +10,14 @@ import pytest
 import torch
 
 from _pairs import (
-    assert_gradcheck,
     assert_layer_extras,
-    assert_masked_equals_truncated,
     assert_paths_agree,
-    padding_cases,
-    paths_agree_cases,
 )
 from _zoo import F64, padding, qkv
 from mita import attention as registry
 from mita.ops.mhla import block_mixing, mhla_attention, mhla_attention_reference
-from test_ops_padding import _check_padding_is_inert
 
 PATHS = [mhla_attention, mhla_attention_reference]
-
-
-def blocks(H: int, Hkv: int, Nq: int, D: int) -> dict:
-    return {"num_blocks": 3}
-
-
-def learned(H: int, Hkv: int, Nq: int, D: int) -> dict:
-    """A learned mixing of 4 blocks and a prefix token."""
-    return {
-        "num_blocks": 4,
-        "num_prefix_tokens": 1 if Nq > 1 else 0,
-        "mixing": torch.rand(4, 4, dtype=F64).requires_grad_(),
-    }
-
-
-@pytest.mark.parametrize("options", [blocks, learned], ids=["cosine", "learned-prefix"])
-@pytest.mark.parametrize(("nq", "nk", "groups", "masked"), paths_agree_cases())
-def test_efficient_matches_reference(nq, nk, groups, masked, options):
-    assert_paths_agree(*PATHS, options, nq, nk, groups, masked, rtol=1e-10, atol=1e-11)
 
 
 @pytest.mark.parametrize(("grid", "num_blocks", "prefix"), [((4, 4), (2, 2), 1), ((2, 3, 5), 8, 0), ((7, 7), 9, 1)])
@@ -50,22 +26,6 @@ def test_grids_match_reference(op, grid, num_blocks, prefix):
     n = prefix + math.prod(grid)
     options = {"num_blocks": num_blocks, "grid": grid, "num_prefix_tokens": prefix}
     assert_paths_agree(mhla_attention, mhla_attention_reference, lambda *_: options, n, n, (4, 2), True)
-
-
-@pytest.mark.parametrize(("tensor", "fill", "hkv", "nq", "nk"), padding_cases())
-@pytest.mark.parametrize("op", PATHS, ids=["fast", "ref"])
-def test_padded_slots_take_no_part(op, tensor, fill, hkv, nq, nk):
-    _check_padding_is_inert(op, tensor, fill, hkv, nq, nk, {"num_blocks": 4, "num_prefix_tokens": 2})
-
-
-@pytest.mark.parametrize("op", PATHS, ids=["fast", "ref"])
-def test_masked_sequence_equals_the_truncated_sequence(op):
-    assert_masked_equals_truncated(op, {"num_blocks": 5})
-
-
-@pytest.mark.parametrize("op", PATHS, ids=["fast", "ref"])
-def test_gradcheck(op):
-    assert_gradcheck(op, lambda *_: {"num_blocks": 2, "mixing": torch.rand(2, 2, dtype=F64).requires_grad_()})
 
 
 def _phi(x):

@@ -1,6 +1,6 @@
-"""Bidirectional native sparse attention (issue 28): efficient path against the reference, padding, the
-branches written out loop by loop (GQA-shared selection included), the closed forms, gradients, errors,
-the layer."""
+"""Bidirectional native sparse attention (issue 28): empty blocks selected with weight zero, the branches
+written out loop by loop (GQA-shared selection included), the closed forms, errors, the layer. Its paths
+against each other, padding and gradcheck: ``test_ops_pairs.py``."""
 
 from __future__ import annotations
 
@@ -8,12 +8,7 @@ import pytest
 import torch
 
 from _pairs import (
-    assert_gradcheck,
     assert_layer_extras,
-    assert_masked_equals_truncated,
-    assert_paths_agree,
-    padding_cases,
-    paths_agree_cases,
 )
 from _zoo import F64, dense, padding, qkv
 from mita import attention as registry
@@ -24,46 +19,11 @@ PATHS = [nsa_attention, nsa_attention_reference]
 SMALL = {"block_size": 4, "topk": 2, "window": 3}
 
 
-def small(H: int, Hkv: int, Nq: int, D: int) -> dict:
-    return dict(SMALL)
-
-
-def gated(H: int, Hkv: int, Nq: int, D: int) -> dict:
-    """Odd blocks, one selected, the own position only, learned gates."""
-    return {"block_size": 5, "topk": 1, "window": 0, "gates": torch.rand(2, H, Nq, 3, dtype=F64).requires_grad_()}
-
-
-def fast_chunked(q, k, v, **options):
-    return nsa_attention(q, k, v, chunk_size=3, **options)
-
-
-@pytest.mark.parametrize("options", [small, gated], ids=["small", "gated"])
-@pytest.mark.parametrize(("nq", "nk", "groups", "masked"), paths_agree_cases())
-def test_efficient_matches_reference(nq, nk, groups, masked, options):
-    assert_paths_agree(fast_chunked, nsa_attention_reference, options, nq, nk, groups, masked)
-
-
-@pytest.mark.parametrize(("tensor", "fill", "hkv", "nq", "nk"), padding_cases())
-@pytest.mark.parametrize("op", PATHS, ids=["fast", "ref"])
-def test_padded_slots_take_no_part(op, tensor, fill, hkv, nq, nk):
-    _check_padding_is_inert(op, tensor, fill, hkv, nq, nk, SMALL)
-
-
 @pytest.mark.parametrize("tensor", ["q", "k", "v"])
 @pytest.mark.parametrize("op", PATHS, ids=["fast", "ref"])
 def test_padded_blocks_are_selectable_with_weight_zero(op, tensor):
     """More blocks selected than hold a real key: empty blocks are picked last and take no part."""
     _check_padding_is_inert(op, tensor, float("nan"), 2, 33, 33, {"block_size": 2, "topk": 30, "window": 1})
-
-
-@pytest.mark.parametrize("op", PATHS, ids=["fast", "ref"])
-def test_masked_sequence_equals_the_truncated_sequence(op):
-    assert_masked_equals_truncated(op, SMALL)
-
-
-@pytest.mark.parametrize("op", PATHS, ids=["fast", "ref"])
-def test_gradcheck(op):
-    assert_gradcheck(op, gated)
 
 
 def _written_out(q, k, v, real, block_size, topk, window, gates):

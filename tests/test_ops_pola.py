@@ -1,5 +1,5 @@
-"""PolaFormer's polarity-aware linear attention (issue 28): efficient path against the reference,
-padding, the polarity streams' closed forms, gradients, errors, the layer."""
+"""PolaFormer's polarity-aware linear attention (issue 28): the polarity streams' closed forms, errors, the
+layer. Its paths against each other, padding and gradcheck: ``test_ops_pairs.py``."""
 
 from __future__ import annotations
 
@@ -7,50 +7,13 @@ import pytest
 import torch
 
 from _pairs import (
-    assert_gradcheck,
     assert_layer_extras,
-    assert_masked_equals_truncated,
-    assert_paths_agree,
-    no_options,
-    padding_cases,
-    paths_agree_cases,
 )
 from _zoo import F64, padding, qkv
 from mita import attention as registry
 from mita.ops.polaformer import polarity_linear_attention, polarity_linear_attention_reference
-from test_ops_padding import _check_padding_is_inert
 
 PATHS = [polarity_linear_attention, polarity_linear_attention_reference]
-
-
-def learned(H: int, Hkv: int, Nq: int, D: int) -> dict:
-    """A learned per-(kv head, channel) exponent in [1, 5) and scale."""
-    return {
-        "power": (1 + 4 * torch.rand(Hkv, D, dtype=F64)).requires_grad_(),
-        "feature_scale": (0.5 + torch.rand(Hkv, D, dtype=F64)).requires_grad_(),
-    }
-
-
-@pytest.mark.parametrize("options", [no_options, learned], ids=["defaults", "learned"])
-@pytest.mark.parametrize(("nq", "nk", "groups", "masked"), paths_agree_cases())
-def test_efficient_matches_reference(nq, nk, groups, masked, options):
-    assert_paths_agree(*PATHS, options, nq, nk, groups, masked)
-
-
-@pytest.mark.parametrize(("tensor", "fill", "hkv", "nq", "nk"), padding_cases())
-@pytest.mark.parametrize("op", PATHS, ids=["fast", "ref"])
-def test_padded_slots_take_no_part(op, tensor, fill, hkv, nq, nk):
-    _check_padding_is_inert(op, tensor, fill, hkv, nq, nk, {"power": torch.full((8,), 2.5, dtype=F64)})
-
-
-@pytest.mark.parametrize("op", PATHS, ids=["fast", "ref"])
-def test_masked_sequence_equals_the_truncated_sequence(op):
-    assert_masked_equals_truncated(op, {})
-
-
-@pytest.mark.parametrize("op", PATHS, ids=["fast", "ref"])
-def test_gradcheck(op):
-    assert_gradcheck(op, learned)
 
 
 def test_streams_written_out():

@@ -1,5 +1,6 @@
-"""Bidirectional TTT-Linear (issue 28): the dual form against the explicit inner loop, padding, the closed
-forms (zero learning rate, zero initial model, per-token steps), gradients, errors, the layer."""
+"""Bidirectional TTT-Linear (issue 28): the closed forms (zero learning rate, zero initial model, per-token
+steps), errors, the layer. The dual form against the explicit inner loop, padding and gradcheck:
+``test_ops_pairs.py``."""
 
 from __future__ import annotations
 
@@ -7,50 +8,13 @@ import pytest
 import torch
 
 from _pairs import (
-    assert_gradcheck,
     assert_layer_extras,
-    assert_masked_equals_truncated,
-    assert_paths_agree,
-    no_options,
-    padding_cases,
-    paths_agree_cases,
 )
 from _zoo import F64, padding, qkv
 from mita import attention as registry
 from mita.ops.ttt import ttt_linear_attention, ttt_linear_attention_reference
-from test_ops_padding import _check_padding_is_inert
 
 PATHS = [ttt_linear_attention, ttt_linear_attention_reference]
-
-
-def learned(H: int, Hkv: int, Nq: int, D: int) -> dict:
-    """A learned initial model, mini-batches of 4 keys, a small learning rate (several stable steps)."""
-    w0 = (0.1 * torch.randn(Hkv, D, D, dtype=F64)).requires_grad_()
-    return {"initial_weight": w0, "mini_batch_size": 4, "inner_lr": 0.05}
-
-
-@pytest.mark.parametrize("options", [no_options, learned], ids=["full-batch", "mini-batches"])
-@pytest.mark.parametrize(("nq", "nk", "groups", "masked"), paths_agree_cases())
-def test_dual_form_matches_the_inner_loop(nq, nk, groups, masked, options):
-    assert_paths_agree(*PATHS, options, nq, nk, groups, masked, rtol=1e-9, atol=1e-11)
-
-
-@pytest.mark.parametrize(("tensor", "fill", "hkv", "nq", "nk"), padding_cases())
-@pytest.mark.parametrize("op", PATHS, ids=["fast", "ref"])
-def test_padded_slots_take_no_part(op, tensor, fill, hkv, nq, nk):
-    options = {"mini_batch_size": 5, "inner_lr": 0.1, "initial_weight": 0.1 * torch.eye(8, dtype=F64)}
-    _check_padding_is_inert(op, tensor, fill, hkv, nq, nk, options)
-
-
-@pytest.mark.parametrize("op", PATHS, ids=["fast", "ref"])
-def test_masked_sequence_equals_the_truncated_sequence(op):
-    assert_masked_equals_truncated(op, {})
-    assert_masked_equals_truncated(op, {"mini_batch_size": 7, "inner_lr": 0.1})
-
-
-@pytest.mark.parametrize("op", PATHS, ids=["fast", "ref"])
-def test_gradcheck(op):
-    assert_gradcheck(op, learned)
 
 
 @pytest.mark.parametrize("op", PATHS, ids=["fast", "ref"])

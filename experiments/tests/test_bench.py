@@ -51,6 +51,7 @@ def test_quick_writes_csv_markdown_plots_and_machine(quick_run: Path) -> None:
 def test_quick_rows_ratios_follow_their_definitions(quick_run: Path) -> None:
     rows = rows_of(quick_run)
     sdpa = {(r["n"], r["mode"]): r for r in rows if r["method"] == "sdpa"}
+    rate = json.loads((quick_run / "machine.json").read_text())["sessions"][0]["matmul_gflops"]
     for r in rows:
         n, t, T = int(r["n"]), float(r["median_s"]), 1 * 2 * int(r["n"]) * 16 * 4  # B H N D float32
         assert float(r["reference_bytes"]) == (4 if r["mode"] == "fwd" else 8) * T
@@ -61,6 +62,19 @@ def test_quick_rows_ratios_follow_their_definitions(quick_run: Path) -> None:
         ideal = 1.0 if r["method"] == "sdpa" else n / (2 * 8 + 8)  # N / (2m + sk), m = k = 8 in --quick
         assert float(r["ideal_speedup"]) == pytest.approx(ideal, 1e-4)
         assert float(r["fraction_of_ideal"]) == pytest.approx(float(r["speedup"]) / ideal, 1e-4)
+        passes = {"fwd": 1, "fwdbwd": 3}[r["mode"]]
+        assert float(r["gflops_per_s"]) == pytest.approx(float(r["model_flops"]) * passes / t / 1e9, 1e-4)
+        assert float(r["matmul_gflops_per_s"]) == pytest.approx(rate, 1e-4)
+        assert float(r["share_of_matmul"]) == pytest.approx(float(r["gflops_per_s"]) / rate, 1e-4)
+    assert "of matmul" in (quick_run / "results.md").read_text()
+
+
+def test_matmul_rate_is_a_rate_and_checks_its_arguments() -> None:
+    assert 0.01 < timing.matmul_rate("float32", size=64, repeats=3) < 1e6  # GFLOP/s of a 64^3 product
+    with pytest.raises(ValueError, match="matmul_rate needs dtype"):
+        timing.matmul_rate("int8")
+    with pytest.raises(ValueError, match="size >= 1"):
+        timing.matmul_rate("float32", size=0)
 
 
 def test_ratios_arithmetic() -> None:

@@ -47,6 +47,12 @@ def tiny_config(**train):
     return config
 
 
+def train_args(cfg_file, data_dir, out):
+    """``mita lra train`` of ListOps with the config file, on the CPU, MiTA, into ``out``, quietly."""
+    cmd = ["lra", "train", "--task", "listops", "--config", str(cfg_file), "--data", str(data_dir)]
+    return [*cmd, "--attention", MITA, "--out", str(out), "--no-progress", "--no-tensorboard", "--device", "cpu"]
+
+
 def weights(run_dir):
     return torch.load(run_dir / trainer.CHECKPOINT, map_location="cpu", weights_only=True)["model"]
 
@@ -82,27 +88,7 @@ def test_killed_run_resumes_exactly(tmp_path, data_dir, data):
     cfg_file = tmp_path / "config.json"
     cfg_file.write_text(json.dumps(config))
     run = tmp_path / "killed"
-    cmd = [
-        sys.executable,
-        "-m",
-        "mita_experiments",
-        "lra",
-        "train",
-        "--task",
-        "listops",
-        "--config",
-        str(cfg_file),
-        "--data",
-        str(data_dir),
-        "--attention",
-        MITA,
-        "--out",
-        str(run),
-        "--no-progress",
-        "--no-tensorboard",
-        "--device",
-        "cpu",
-    ]
+    cmd = [sys.executable, "-m", "mita_experiments", *train_args(cfg_file, data_dir, run)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 120
     while not (run / trainer.CHECKPOINT).exists() and proc.poll() is None and time.time() < deadline:
@@ -149,22 +135,7 @@ def test_ddp_two_processes_match_one(tmp_path, data_dir, data, capsys):
         str(_free_port()),
         "-m",
         "mita_experiments",
-        "lra",
-        "train",
-        "--task",
-        "listops",
-        "--config",
-        str(cfg_file),
-        "--data",
-        str(data_dir),
-        "--attention",
-        MITA,
-        "--out",
-        str(tmp_path / "ddp"),
-        "--no-progress",
-        "--no-tensorboard",
-        "--device",
-        "cpu",
+        *train_args(cfg_file, data_dir, tmp_path / "ddp"),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)

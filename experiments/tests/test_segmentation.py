@@ -23,7 +23,8 @@ from mita_experiments.segmentation.ade20k import (
 )
 from mita_experiments.segmentation.metrics import ConfusionMatrix
 from mita_experiments.segmentation.scenes import NUM_CLASSES, SIZE, load_scenes
-from mita_experiments.segmentation.task import Pairs, SegmentationScores
+from mita_experiments.segmentation.task import SegmentationScores
+from mita_experiments.vision.digits import Tensors
 
 # --- metrics ------------------------------------------------------------------------------
 
@@ -211,8 +212,8 @@ def test_shape_masks():
         shape_mask("star", dy, dx, 8.0)
 
 
-def test_pairs_dataset():
-    pairs = Pairs(torch.zeros(4, 3, 2, 2), torch.zeros(4, 2, 2, dtype=torch.long))
+def test_tensors_dataset():
+    pairs = Tensors(torch.zeros(4, 3, 2, 2), torch.zeros(4, 2, 2, dtype=torch.long))
     assert len(pairs) == 4 and pairs.__getitems__([0, 2])[0].shape == (2, 3, 2, 2)
-    with pytest.raises(ValueError, match="label maps"):
-        Pairs(torch.zeros(2, 3, 2, 2), torch.zeros(3, 2, 2))
+    with pytest.raises(ValueError, match="2 inputs but 3 targets"):
+        Tensors(torch.zeros(2, 3, 2, 2), torch.zeros(3, 2, 2))

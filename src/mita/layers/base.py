@@ -119,11 +119,16 @@ def resolve_grid(
     return side, side
 
 
-def depthwise_conv(channels: int, grid: GridOption, dd: dict) -> nn.Module:
-    """A depth-wise convolution, kernel 3 in every dimension of the layout (1-D, 2-D for "auto", or the grid's)."""
-    dims = 1 if grid is None else 2 if grid == "auto" else len(grid)
-    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
-    return conv(channels, channels, 3, padding=1, groups=channels, **dd)
+def layout_dims(grid: GridOption) -> int:
+    """Spatial dimensions of a layout: 1 along the sequence, 2 for "auto" or (gh, gw), 3 for (gt, gh, gw)."""
+    return 1 if grid is None else 2 if grid == "auto" else len(grid)
+
+
+def depthwise_conv(channels: int, grid: GridOption, dd: dict, kernel_size: int = 3) -> nn.Module:
+    """A depth-wise convolution of ``channels`` channels, kernel ``kernel_size`` (odd; default 3) in every
+    dimension of the layout (:func:`layout_dims`), padded to keep the layout's size."""
+    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[layout_dims(grid)]
+    return conv(channels, channels, kernel_size, padding=kernel_size // 2, groups=channels, **dd)
 
 
 def conv_values(

@@ -23,12 +23,16 @@ from ..ops.flatten import focused_linear_attention
 from ..ops.inline import inline_attention
 from ..ops.kernelized import check_positive
 from ..ops.polaformer import polarity_linear_attention
-from .base import AttentionLayer, GridOption, PatchGrid, check_grid_option, padding_mask, resolve_grid
-
-
-def _layout_dims(grid: GridOption) -> int:
-    """Spatial dimensions of a layout: 1 along the sequence, 2 for "auto" or (gh, gw), 3 for (gt, gh, gw)."""
-    return 1 if grid is None else 2 if grid == "auto" else len(grid)
+from .base import (
+    AttentionLayer,
+    GridOption,
+    PatchGrid,
+    check_grid_option,
+    depthwise_conv,
+    layout_dims,
+    padding_mask,
+    resolve_grid,
+)
 
 
 def _tokens(
@@ -48,11 +52,29 @@ def _back(x: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
     return F.pad(x, (0, 0, *span))
 
 
-class _LayoutAttention(AttentionLayer):
-    """An :class:`AttentionLayer` that knows its token layout (for a convolution on V)."""
+def _plus(out: torch.Tensor, extra: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``out + extra`` (both (B, H, N, D)) with the rows of padded tokens (``mask`` (B, N) False) zero again."""
+    out = out + extra
+    return out if mask is None else out.masked_fill(~mask[:, None, :, None], 0)
 
-    def __init__(self, dim: int, num_heads: int, *args: Any, grid: GridOption = None, **kwargs: Any) -> None:
-        super().__init__(dim, num_heads, *args, **kwargs)
+
+class _LayoutAttention(AttentionLayer):
+    """An :class:`AttentionLayer` that knows its token layout (for a convolution on V): ``grid``,
+    ``num_prefix_tokens`` and ``num_suffix_tokens``, options of every layer built on it."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        *args: Any,
+        grid: GridOption = None,
+        num_prefix_tokens: int = 0,
+        num_suffix_tokens: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            dim, num_heads, *args, num_prefix_tokens=num_prefix_tokens, num_suffix_tokens=num_suffix_tokens, **kwargs
+        )
         self.grid = check_grid_option(grid)
         self.patch_grid: PatchGrid | None = None  # the running forward's patch grid (models of varying image size)
 
@@ -65,23 +87,31 @@ class _LayoutAttention(AttentionLayer):
         """The grid for a sequence of n tokens: the running forward's patch grid, or ``grid`` ("auto": a square)."""
         return resolve_grid(self.grid, n, self.num_prefix_tokens, self.patch_grid, self.num_suffix_tokens)
 
-    def head_conv(self, kernel_size: int) -> nn.Module:
-        """A depth-wise convolution of one head's D channels, shared by the heads (FLatten's, PolaFormer's)."""
-        conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[_layout_dims(self.grid)]
-        return conv(
-            self.head_dim, self.head_dim, kernel_size, padding=kernel_size // 2, groups=self.head_dim, **self.dd
-        )
-
-    def conv_values(self, conv: nn.Module, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """``conv`` applied to each head of V (B, H, N, D) over the layout; (B, H, N, D), zero on the prefix."""
-        B, H, N, _ = v.shape
-        x = _tokens(v, self.span, self.resolve_grid(N), mask)
-        return _back(conv(x.flatten(0, 1)).unflatten(0, (B, H)), self.span)
-
     def extra_repr(self) -> str:
         return (
             f"grid={self.grid}, num_prefix_tokens={self.num_prefix_tokens}, num_suffix_tokens={self.num_suffix_tokens}"
         )
+
+
+class _ConvAttention(_LayoutAttention):
+    """A :class:`_LayoutAttention` with an optional depth-wise convolution of V added to its output
+    (FLatten's rank restoration module, PolaFormer's convolution): options ``dwc`` and ``kernel_size``."""
+
+    def __init__(
+        self, dim: int, num_heads: int = 8, *args: Any, dwc: bool = False, kernel_size: int = 5, **kwargs: Any
+    ) -> None:
+        super().__init__(dim, num_heads, *args, **kwargs)
+        # one head's D channels, each its own kernel, shared by the heads
+        self.dwc = depthwise_conv(self.head_dim, self.grid, self.dd, _kernel_size(kernel_size)) if dwc else None
+
+    def with_dwc(self, out: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """``out`` (B, H, N, D) plus the convolution of each head of V (B, H, N, D) over the layout (zero on the
+        prefix and suffix tokens), padded rows zero; ``out`` itself without ``dwc``."""
+        if self.dwc is None:
+            return out
+        B, H, N, _ = v.shape
+        x = _tokens(v, self.span, self.resolve_grid(N), mask)
+        return _plus(out, _back(self.dwc(x.flatten(0, 1)).unflatten(0, (B, H)), self.span), mask)
 
 
 class FeatureScale(nn.Module):
@@ -118,7 +148,7 @@ def _kernel_size(value: object) -> int:
     return n
 
 
-class FLattenAttention(_LayoutAttention):
+class FLattenAttention(_ConvAttention):
     """Focused linear attention (Han et al., ICCV 2023); a drop-in for timm's ``Attention``.
 
     The per-channel feature scale s = softplus(theta) is learned (``feature_scale``: theta (H, D),
@@ -141,25 +171,11 @@ class FLattenAttention(_LayoutAttention):
         num_heads: int = 8,
         *args: Any,
         focusing_factor: float = 3.0,
-        dwc: bool = False,
-        kernel_size: int = 5,
-        grid: GridOption = None,
-        num_prefix_tokens: int = 0,
-        num_suffix_tokens: int = 0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(
-            dim,
-            num_heads,
-            *args,
-            grid=grid,
-            num_prefix_tokens=num_prefix_tokens,
-            num_suffix_tokens=num_suffix_tokens,
-            **kwargs,
-        )
+        super().__init__(dim, num_heads, *args, **kwargs)
         self.focusing_factor = check_positive("focusing_factor", focusing_factor)
         self.feature_scale = FeatureScale(num_heads, self.head_dim, self.dd)
-        self.dwc = self.head_conv(_kernel_size(kernel_size)) if dwc else None
 
     def extra_repr(self) -> str:
         return f"focusing_factor={self.focusing_factor}, {super().extra_repr()}"
@@ -175,13 +191,10 @@ class FLattenAttention(_LayoutAttention):
             query_padding_mask=key_padding_mask,
             dropout_p=self.dropout_p,
         )
-        if self.dwc is None:
-            return out
-        out = out + self.conv_values(self.dwc, v, key_padding_mask)
-        return out if key_padding_mask is None else out.masked_fill(~key_padding_mask[:, None, :, None], 0)
+        return self.with_dwc(out, v, key_padding_mask)
 
 
-class PolaAttention(_LayoutAttention):
+class PolaAttention(_ConvAttention):
     """Polarity-aware linear attention (Meng et al., ICLR 2025); a drop-in for timm's ``Attention``.
 
     Learned per-channel exponent p = 1 + alpha sigmoid(theta) (``power``: theta (H, D), zero at
@@ -203,25 +216,11 @@ class PolaAttention(_LayoutAttention):
         num_heads: int = 8,
         *args: Any,
         alpha: float = 4.0,
-        dwc: bool = False,
-        kernel_size: int = 5,
-        grid: GridOption = None,
-        num_prefix_tokens: int = 0,
-        num_suffix_tokens: int = 0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(
-            dim,
-            num_heads,
-            *args,
-            grid=grid,
-            num_prefix_tokens=num_prefix_tokens,
-            num_suffix_tokens=num_suffix_tokens,
-            **kwargs,
-        )
+        super().__init__(dim, num_heads, *args, **kwargs)
         self.power = LearnedPower(num_heads, self.head_dim, check_positive("alpha", alpha), self.dd)
         self.feature_scale = FeatureScale(num_heads, self.head_dim, self.dd)
-        self.dwc = self.head_conv(_kernel_size(kernel_size)) if dwc else None
 
     def attend(self, q, k, v, key_padding_mask, is_causal):
         out = polarity_linear_attention(
@@ -234,10 +233,7 @@ class PolaAttention(_LayoutAttention):
             query_padding_mask=key_padding_mask,
             dropout_p=self.dropout_p,
         )
-        if self.dwc is None:
-            return out
-        out = out + self.conv_values(self.dwc, v, key_padding_mask)
-        return out if key_padding_mask is None else out.masked_fill(~key_padding_mask[:, None, :, None], 0)
+        return self.with_dwc(out, v, key_padding_mask)
 
 
 class InLineAttention(_LayoutAttention):
@@ -261,21 +257,10 @@ class InLineAttention(_LayoutAttention):
         num_heads: int = 8,
         *args: Any,
         local_residual: bool = True,
-        grid: GridOption = None,
-        num_prefix_tokens: int = 0,
-        num_suffix_tokens: int = 0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(
-            dim,
-            num_heads,
-            *args,
-            grid=grid,
-            num_prefix_tokens=num_prefix_tokens,
-            num_suffix_tokens=num_suffix_tokens,
-            **kwargs,
-        )
-        c, taps = self.attn_dim, 3 ** _layout_dims(self.grid)
+        super().__init__(dim, num_heads, *args, **kwargs)
+        c, taps = self.attn_dim, 3 ** layout_dims(self.grid)
         self.residual = None
         if local_residual:
             self.residual = nn.Sequential(
@@ -324,5 +309,4 @@ class InLineAttention(_LayoutAttention):
         weight = self._kernels.reshape(B * H * D, 1, *(3,) * dims)
         conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[dims]
         local = conv(x, weight, padding=1, groups=B * H * D).view(B, H, D, *x.shape[2:])
-        out = out + _back(local, self.span)
-        return out if key_padding_mask is None else out.masked_fill(~key_padding_mask[:, None, :, None], 0)
+        return _plus(out, _back(local, self.span), key_padding_mask)

@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import check_attention
-from .common import real_keys, softmax_allowed, zero_padded, zero_padding
+from .common import checked_inputs, real_keys, softmax_allowed, zero_padded
 from .pooling import check_pooling, pool, pool_reference
 
 
@@ -42,16 +41,7 @@ def _prepare(
     through the pooling and the gradient of the broadcast, a padded key or value every agent
     through the aggregation.
     """
-    cfg = check_attention(
-        q,
-        k,
-        v,
-        key_padding_mask=key_padding_mask,
-        query_padding_mask=query_padding_mask,
-        dropout_p=dropout_p,
-        scale=scale,
-    )
-    q, k, v = zero_padding(q, k, v, cfg)
+    cfg, q, k, v = checked_inputs(q, k, v, key_padding_mask, query_padding_mask, dropout_p, scale)
     B, H, Nq, D = q.shape
     if agents is None:
         pooling = check_pooling(

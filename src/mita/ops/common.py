@@ -1,19 +1,22 @@
-"""Helpers the zoo's ops share: the causal check, the dense masked-softmax reference, row gathers, padding."""
+"""Helpers the zoo's ops share: the checked and zero-padded inputs, the causal check, query heads grouped
+by kv head, the dense masked-softmax reference, row gathers, padding."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .checks import AttentionArgs, check_int
+from .checks import AttentionArgs, check_attention, check_int
 from .tiling import zero_padded, zero_padding
 
 __all__ = [
     "CHUNK_ELEMENTS",
     "check_causal",
     "check_positive_int",
+    "checked_inputs",
     "chunk_rows",
     "gather_rows",
+    "grouped_heads",
     "key_mask_of",
     "masked_attention",
     "real_keys",
@@ -30,6 +33,33 @@ CHUNK_ELEMENTS = 1 << 24
 def check_positive_int(name: str, value: object) -> int:
     """``value`` as an int >= 1, or a ValueError naming the option."""
     return check_int(name, value)
+
+
+def checked_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    query_padding_mask: torch.Tensor | None,
+    dropout_p: float,
+    scale: float | None = None,
+) -> tuple[AttentionArgs, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every op's first step: the arguments checked (:func:`~mita.ops.checks.check_attention`), then q, k, v
+    with their padded slots zero (:func:`~mita.ops.tiling.zero_padding`), before any arithmetic.
+
+    Returns:
+        (the checked arguments, q, k, v): q (B, H, Nq, D), k and v (B, Hkv, Nk, D) as given but for the zeros.
+    """
+    masks = {"key_padding_mask": key_padding_mask, "query_padding_mask": query_padding_mask}
+    cfg = check_attention(q, k, v, **masks, dropout_p=dropout_p, scale=scale)
+    return cfg, *zero_padding(q, k, v, cfg)
+
+
+def grouped_heads(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Query-head tensor x (B, H, N, F) as (B, Hkv, G, N, F), G = H / Hkv: the query heads that share one kv
+    head side by side (a view), so that one matmul with a kv-head tensor (B, Hkv, 1, ...) serves the group."""
+    B, H, N, F = x.shape
+    return x.view(B, num_kv_heads, H // num_kv_heads, N, F)
 
 
 def check_causal(causal: bool, is_causal: bool, q: torch.Tensor, k: torch.Tensor) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .common import grouped_heads
 from .kernelized import check_linear, finish, real_key_count
 
 
@@ -76,7 +77,7 @@ def inline_attention(
     B, H, Nq, D = q.shape
     Hkv = k.shape[1]
     n = real_key_count(cfg, k32)  # (B, 1, 1, 1)
-    qg = q32.view(B, Hkv, H // Hkv, Nq, D)
+    qg = grouped_heads(q32, Hkv)
     k_mean, v_mean = (t.sum(2, keepdim=True).unsqueeze(2) / n[..., None] for t in (k32, v32))  # (B, Hkv, 1, 1, D)
     state = (k32.transpose(-1, -2) @ v32 / n).unsqueeze(2)  # (B, Hkv, 1, D, D)
     out = cfg.scale * (qg @ state) + (1 - cfg.scale * (qg @ k_mean.transpose(-1, -2))) * v_mean

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import check_attention
-from .common import check_causal, chunk_rows, zero_padded, zero_padding
+from .common import check_causal, checked_inputs, chunk_rows, grouped_heads, zero_padded
+from .kernelized import mask_features
 
 
 def feature_map(x: torch.Tensor) -> torch.Tensor:
@@ -28,24 +28,11 @@ def _features(q, k, v, key_padding_mask, query_padding_mask, dropout_p, causal, 
     phi'(NaN)) and their features after (phi(0) = 1); a padded value must be zero, not merely
     weighed by phi(k) = 0, as 0 * inf is NaN.
     """
-    cfg = check_attention(
-        q,
-        k,
-        v,
-        key_padding_mask=key_padding_mask,
-        query_padding_mask=query_padding_mask,
-        dropout_p=dropout_p,
-        scale=None,
-    )
+    cfg, q, k, v = checked_inputs(q, k, v, key_padding_mask, query_padding_mask, dropout_p)
     if dropout_p:
         raise ValueError(f"linear attention has no attention matrix to drop out; use dropout_p=0, got {dropout_p!r}")
     causal = check_causal(causal, is_causal, q, k)
-    q, k, v = zero_padding(q, k, v, cfg)
-    qf, kf = feature_map(q), feature_map(k)
-    if cfg.key_mask is not None:  # padded keys contribute nothing
-        kf = kf.masked_fill(~cfg.key_mask[:, None, :, None], 0)
-    if cfg.query_mask is not None:
-        qf = qf.masked_fill(~cfg.query_mask[:, None, :, None], 0)
+    qf, kf = mask_features(feature_map(q), feature_map(k), cfg)  # padded keys contribute nothing
     return qf, kf, v, cfg, causal
 
 
@@ -108,8 +95,7 @@ def linear_attention(
     qf, kf, v, cfg, causal = _features(q, k, v, key_padding_mask, query_padding_mask, dropout_p, causal, is_causal)
     B, H, Nq, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[3]
-    G = H // Hkv
-    qg = qf.view(B, Hkv, G, Nq, D)  # the query heads that share one kv head
+    qg = grouped_heads(qf, Hkv)
     if not causal:
         state = (kf.transpose(-1, -2) @ v).unsqueeze(2)  # (B, Hkv, 1, D, Dv)
         num = qg @ state

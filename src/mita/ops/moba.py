@@ -18,16 +18,15 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .checks import check_attention
 from .common import (
     check_causal,
     check_positive_int,
+    checked_inputs,
     chunk_rows,
     key_mask_of,
     masked_attention,
     softmax_allowed,
     zero_padded,
-    zero_padding,
 )
 from .tiling import tile_rows
 
@@ -53,18 +52,10 @@ def _check(q, k, v, block_size, topk, key_padding_mask, query_padding_mask, drop
     Zeroed, not weighted by the mask: a zero weight times NaN or inf is NaN, in a block mean
     (which then routes every query wrongly) as in a value weighed by probability 0.
     """
-    cfg = check_attention(
-        q,
-        k,
-        v,
-        key_padding_mask=key_padding_mask,
-        query_padding_mask=query_padding_mask,
-        dropout_p=dropout_p,
-        scale=scale,
-    )
+    cfg, q, k, v = checked_inputs(q, k, v, key_padding_mask, query_padding_mask, dropout_p, scale)
     check_positive_int("block_size", block_size)
     check_positive_int("topk", topk)
-    return cfg, check_causal(causal, is_causal, q, k), *zero_padding(q, k, v, cfg)
+    return cfg, check_causal(causal, is_causal, q, k), q, k, v
 
 
 def moba_attention_reference(

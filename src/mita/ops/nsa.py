@@ -33,22 +33,22 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .checks import AttentionArgs, check_attention, check_int
-from .common import check_positive_int, chunk_rows, key_mask_of, softmax_allowed, zero_padded, zero_padding
+from .checks import AttentionArgs, check_int
+from .common import (
+    check_positive_int,
+    checked_inputs,
+    chunk_rows,
+    grouped_heads,
+    key_mask_of,
+    softmax_allowed,
+    zero_padded,
+)
 from .tiling import tile_rows
 
 
 def _check(q, k, v, block_size, topk, window, gates, key_padding_mask, query_padding_mask, dropout_p, scale):
     """Checked arguments, the gates (B, H, Nq, 3) and q, k, v with padded slots zero."""
-    cfg = check_attention(
-        q,
-        k,
-        v,
-        key_padding_mask=key_padding_mask,
-        query_padding_mask=query_padding_mask,
-        dropout_p=dropout_p,
-        scale=scale,
-    )
+    cfg, q, k, v = checked_inputs(q, k, v, key_padding_mask, query_padding_mask, dropout_p, scale)
     check_positive_int("block_size", block_size)
     check_positive_int("topk", topk)
     check_int("window", window, 0)
@@ -63,7 +63,7 @@ def _check(q, k, v, block_size, topk, window, gates, key_padding_mask, query_pad
         gates = gates.to(q.dtype).expand(shape)
     except RuntimeError:
         raise ValueError(f"gates of shape {tuple(gates.shape)} must broadcast to (B, H, Nq, 3) = {shape}") from None
-    return cfg, gates, *zero_padding(q, k, v, cfg)
+    return cfg, gates, q, k, v
 
 
 def _compress(k: torch.Tensor, v: torch.Tensor, real: torch.Tensor, block_size: int):
@@ -77,12 +77,6 @@ def _compress(k: torch.Tensor, v: torch.Tensor, real: torch.Tensor, block_size: 
     return *means, count > 0
 
 
-def _grouped(q: torch.Tensor, Hkv: int) -> torch.Tensor:
-    """(B, H, N, D) as (B, Hkv, G, N, D): the query heads that share one kv head."""
-    B, H, N, D = q.shape
-    return q.view(B, Hkv, H // Hkv, N, D)
-
-
 def _attend(logits: torch.Tensor, allowed: torch.Tensor, dropout_p: float) -> torch.Tensor:
     """Softmax over the allowed entries; a row with none allowed is zero (a window of padded keys only)."""
     p = softmax_allowed(logits, allowed) * allowed.any(-1, keepdim=True)
@@ -91,7 +85,7 @@ def _attend(logits: torch.Tensor, allowed: torch.Tensor, dropout_p: float) -> to
 
 def _compressed(q, k_cmp, v_cmp, valid, cfg: AttentionArgs, dropout_p):
     """The compressed branch: its output (B, Hkv, G, Nq, D) and the block importance (B, Hkv, Nq, nb)."""
-    qg = _grouped(q, k_cmp.shape[1])
+    qg = grouped_heads(q, k_cmp.shape[1])
     logits = cfg.scale * qg @ k_cmp.unsqueeze(2).transpose(-1, -2)  # (B, Hkv, G, Nq, nb)
     p = softmax_allowed(logits, valid[:, None, None, None, :])
     out = (F.dropout(p, dropout_p) if dropout_p > 0 else p) @ v_cmp.unsqueeze(2)
@@ -140,7 +134,7 @@ def nsa_attention_reference(
     selected = chosen[..., torch.arange(Nk, device=q.device) // block_size].unsqueeze(2) & real
     i, j = torch.arange(Nq, device=q.device)[:, None], torch.arange(Nk, device=q.device)
     near = ((i - j).abs() <= window) & real
-    qg, kg, vg = _grouped(q, Hkv), k.unsqueeze(2), v.unsqueeze(2)
+    qg, kg, vg = grouped_heads(q, Hkv), k.unsqueeze(2), v.unsqueeze(2)
     logits = cfg.scale * qg @ kg.transpose(-1, -2)  # (B, Hkv, G, Nq, Nk)
     outs = [out_cmp, _attend(logits, selected, dropout_p) @ vg, _attend(logits, near, dropout_p) @ vg]
     out = sum(g.unsqueeze(-1) * o.reshape(B, H, Nq, D) for g, o in zip(gates.unbind(-1), outs))
@@ -224,7 +218,7 @@ def nsa_attention(
         rows = torch.arange(start, start + C, device=q.device)[:, None]
         cols = torch.arange(lo, max(lo, hi), device=q.device)
         near = ((rows - cols).abs() <= reach) & real[:, None, lo:hi]  # (B, C, L)
-        qg = _grouped(qc, Hkv)
+        qg = grouped_heads(qc, Hkv)
         logits = cfg.scale * qg @ k[:, :, lo:hi].unsqueeze(2).transpose(-1, -2)  # (B, Hkv, G, C, L)
         out_win = (_attend(logits, near[:, None, None], dropout_p) @ v[:, :, lo:hi].unsqueeze(2)).view(B, H, C, D)
         g = gates[:, :, start : start + C].unbind(-1)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .checks import AttentionArgs, check_attention
-from .common import real_keys, softmax_allowed, zero_padded, zero_padding
+from .checks import AttentionArgs
+from .common import checked_inputs, real_keys, softmax_allowed, zero_padded
 from .pooling import Pooling, check_pooling, pool, pool_reference
 
 
@@ -47,15 +47,7 @@ def _check(
     Zeroed, not weighted by the mask (0 * NaN is NaN): a padded query or key would reach
     every landmark through the segment means, a padded key or value every landmark's values.
     """
-    args = check_attention(
-        q,
-        k,
-        v,
-        key_padding_mask=key_padding_mask,
-        query_padding_mask=query_padding_mask,
-        dropout_p=dropout_p,
-        scale=scale,
-    )
+    args, q, k, v = checked_inputs(q, k, v, key_padding_mask, query_padding_mask, dropout_p, scale)
     pooling = check_pooling(num_landmarks, None, 0, q.shape[2])
     if dropout_p:
         raise ValueError(f"nystrom attention supports no attention dropout; use dropout_p=0, got {dropout_p!r}")
@@ -65,7 +57,7 @@ def _check(
         raise ValueError(
             f"pinv_iterations must be an int >= 1, or None for the exact pseudo-inverse, got {pinv_iterations!r}"
         )
-    return args, pooling, *zero_padding(q, k, v, args)
+    return args, pooling, q, k, v
 
 
 def nystrom_attention_reference(

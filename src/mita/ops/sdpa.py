@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import check_attention
-from .tiling import zero_padded, zero_padding
+from .common import checked_inputs, zero_padded
 
 
 def sdpa_attention(
@@ -36,18 +35,9 @@ def sdpa_attention(
     Returns:
         The output of shape (B, H, Nq, D) and q's dtype; rows of padded queries are zero.
     """
-    args = check_attention(
-        q,
-        k,
-        v,
-        key_padding_mask=key_padding_mask,
-        query_padding_mask=query_padding_mask,
-        dropout_p=dropout_p,
-        scale=scale,
-    )
     # SDPA adds -inf to a padded key's logit and weighs its value by 0: a NaN or inf there (k or v)
-    # still makes NaN, and a padded query's NaN row makes NaN gradients for every key.
-    q, k, v = zero_padding(q, k, v, args)
+    # still makes NaN, and a padded query's NaN row makes NaN gradients for every key: zeroed first.
+    args, q, k, v = checked_inputs(q, k, v, key_padding_mask, query_padding_mask, dropout_p, scale)
     mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
     if mask is not None and is_causal:  # SDPA takes one or the other: combine them
         mask = mask & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()

@@ -11,17 +11,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import AttentionArgs, check_attention
+from .checks import AttentionArgs
 from .common import (
     check_causal,
     check_positive_int,
+    checked_inputs,
     chunk_rows,
     gather_rows,
     key_mask_of,
     masked_attention,
     softmax_allowed,
     zero_padded,
-    zero_padding,
 )
 
 
@@ -47,17 +47,8 @@ def topk_attention_reference(
     is_causal: bool = False,
 ) -> torch.Tensor:
     """Top-k attention with the full (Nq, Nk) logit matrix: keep each row's k largest, softmax, sum."""
-    cfg = check_attention(
-        q,
-        k,
-        v,
-        key_padding_mask=key_padding_mask,
-        query_padding_mask=query_padding_mask,
-        dropout_p=dropout_p,
-        scale=scale,
-    )
+    cfg, q, k, v = checked_inputs(q, k, v, key_padding_mask, query_padding_mask, dropout_p, scale)
     causal = check_causal(causal, is_causal, q, k)
-    q, k, v = zero_padding(q, k, v, cfg)
     kk = min(check_positive_int("topk", topk), k.shape[2])
     rows = torch.arange(q.shape[2], device=q.device)
     allowed = _allowed_keys(cfg, k, rows, causal).expand(*q.shape[:3], k.shape[2])
@@ -100,19 +91,10 @@ def topk_attention(
     Returns:
         The output of shape (B, H, Nq, D) and q's dtype; rows of padded queries are zero.
     """
-    cfg = check_attention(
-        q,
-        k,
-        v,
-        key_padding_mask=key_padding_mask,
-        query_padding_mask=query_padding_mask,
-        dropout_p=dropout_p,
-        scale=scale,
-    )
-    causal = check_causal(causal, is_causal, q, k)
     # Masking the logits keeps padded keys out of the forward, but not a NaN key out of dq (its
     # logit's zero gradient times it), nor a padded value picked with probability 0 (topk > real keys).
-    q, k, v = zero_padding(q, k, v, cfg)
+    cfg, q, k, v = checked_inputs(q, k, v, key_padding_mask, query_padding_mask, dropout_p, scale)
+    causal = check_causal(causal, is_causal, q, k)
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G, kk = H // Hkv, min(check_positive_int("topk", topk), Nk)

@@ -28,6 +28,7 @@ import numbers
 import torch
 
 from .checks import check_int
+from .common import grouped_heads
 from .kernelized import check_linear, finish
 
 
@@ -77,7 +78,7 @@ def _read(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Every query through its kv head's model: q (B, H, Nq, D) times W (B, Hkv, D, D)."""
     B, H, Nq, D = q.shape
     Hkv = w.shape[1]
-    return (q.view(B, Hkv, H // Hkv, Nq, D) @ w.unsqueeze(2)).view(B, H, Nq, D)
+    return (grouped_heads(q, Hkv) @ w.unsqueeze(2)).view(B, H, Nq, D)
 
 
 def ttt_linear_attention_reference(

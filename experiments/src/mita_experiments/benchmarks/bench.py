@@ -43,11 +43,22 @@ from .report import (
     measured_row,
     plot,
     point_row,
+    progress_line,
     read_rows,
     session_info,
     write_rows,
 )
-from .timing import DTYPES, MODES, Case, Measurement, measure, measure_side_by_side, op_profile, torch_threads
+from .timing import (
+    DTYPES,
+    MODES,
+    Case,
+    Measurement,
+    matmul_rate,
+    measure,
+    measure_side_by_side,
+    op_profile,
+    torch_threads,
+)
 
 OUTPUTS = ("results.csv", "results.md", "time.png", "speedup.png", "memory.png", "machine.json")
 
@@ -150,6 +161,7 @@ class Settings:
     seed: int = 0
     profile_dir: Path | None = None  # if set, an op profile of every point is written there
     rounds: int | None = None  # if set, the methods of each (N, mode) are timed in this many alternating rounds
+    matmul_gflops: float | None = None  # the machine's matmul rate in the run's dtype (timing.matmul_rate)
 
 
 def accepts(method: attention.Method, key: str) -> bool:
@@ -252,7 +264,7 @@ def _finish(row: Row, op: Any, m: Measurement, case: Case, settings: Settings) -
         name = re.sub(r"[^\w.=-]+", "_", f"{row['series']}-N{case.n}-{row['mode']}") + ".txt"
         settings.profile_dir.mkdir(exist_ok=True)
         (settings.profile_dir / name).write_text(op_profile(op, case, row["mode"], seed=settings.seed))
-    return measured_row(row, m, case.batch * case.n)
+    return measured_row(row, m, case.batch * case.n, settings.matmul_gflops)
 
 
 def _failed(row: Row, err: Exception) -> Row:
@@ -283,9 +295,12 @@ def prepare_out_dir(out: str | None, *, force: bool, resume: bool) -> Path:
     return path
 
 
-def record_machine(path: Path, device: str, session: str, command: str, *, resume: bool) -> None:
-    """Write machine.json; a resumed run must be on the same machine, threads and torch."""
-    info = {"machine": machine_info(device), "sessions": [session_info(session, command)]}
+def record_machine(
+    path: Path, device: str, session: str, command: str, *, resume: bool, rate: float | None = None
+) -> None:
+    """Write machine.json (with this session's matmul ``rate`` in GFLOP/s); a resumed run must be on the
+    same machine, threads and torch."""
+    info = {"machine": machine_info(device), "sessions": [{**session_info(session, command), "matmul_gflops": rate}]}
     if resume and path.exists():
         old = json.loads(path.read_text())
         if old.get("machine") != info["machine"]:
@@ -409,7 +424,11 @@ def run(args: argparse.Namespace) -> int:
         plan = dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, profile_dir=out_dir / "profiles"))
     with torch_threads(args.threads):
         session = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
-        record_machine(out_dir / "machine.json", args.device, session, command_line(args), resume=args.resume)
+        rate = matmul_rate(args.dtype or "float32", args.device)
+        plan = dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, matmul_gflops=rate))
+        record_machine(
+            out_dir / "machine.json", args.device, session, command_line(args), resume=args.resume, rate=rate
+        )
         rows = {_key(r): r for r in read_rows(out_dir / "results.csv")} if args.resume else {}
         write_rows(out_dir / "results.csv", rows.values())  # a new file, or the resumed one rid of a cut line
         failures = _measure_all(plan, args.dtype or "float32", args.device, session, rows, out_dir / "results.csv")
@@ -454,7 +473,7 @@ def _measure_all(
                 row = rows[_key(row)] = add_ratios(row, rows.get(_baseline_key(plan, row)))
                 failures += row["status"].startswith("failed")
                 log.write(row)
-                bar.write(_summary(row))
+                bar.write(progress_line(f"{row['series']:<24} N={row['n']:>6} {row['mode']:<6}", row))
                 bar.update()
     finally:
         bar.close()
@@ -489,19 +508,12 @@ def _order(series: Sequence[Series], row: Row) -> int:
     return labels.index(row["series"]) if row["series"] in labels else len(labels)
 
 
-def _summary(row: Row) -> str:
-    what = f"{row['series']:<24} N={row['n']:>6} {row['mode']:<6}"
-    if row["status"] != OK:
-        return f"{what} {row['status']}"
-    extra = f"  {float(row['speedup']):.2f}x" if row["speedup"] else ""
-    return f"{what} {float(row['median_s']) * 1e3:10.2f} ms{extra}"
-
-
 def _write_reports(rows: Sequence[Row], out_dir: Path, baseline: str, *, plots: bool) -> None:
     """results.md (the machine, the commands, the table) and the plots."""
     machine = json.loads((out_dir / "machine.json").read_text())
     info, sessions = machine["machine"], machine["sessions"]
     gpu = f", {info['cuda_device']}" if info["cuda_device"] else ""
+    rates = ", ".join(f"{s['matmul_gflops']:.0f}" for s in sessions if s.get("matmul_gflops")) or "not measured"
     lines = [
         "# mita bench",
         "",
@@ -511,7 +523,9 @@ def _write_reports(rows: Sequence[Row], out_dir: Path, baseline: str, *, plots: 
         *(f"- `{s['command']}` (started {s['started_utc']}, load average {s['load_average']})" for s in sessions),
         "",
         f"Speed-ups are over `{baseline}` at the same shape, measured in the same process; "
-        "ideal is the FLOP model's (spec section 3).",
+        "ideal is the FLOP model's (spec section 3). GFLOP/s are the FLOP model's per second (forward+backward "
+        "as 3 forwards); of matmul is their share of this machine's square matmul rate in the same dtype "
+        f"and threads ({rates} GFLOP/s).",
         "",
         markdown_table(rows),
     ]

@@ -37,6 +37,7 @@ from .report import (
     markdown_table,
     measured_row,
     point_row,
+    progress_line,
     session_info,
     write_rows,
 )
@@ -182,7 +183,7 @@ def run_gpu(args: argparse.Namespace, prepare_out_dir: Callable[..., Path]) -> i
                             failures += method == "mita" and row["status"] != OK
                             rows.append(row)
                             log.write(row)
-                            print(_summary(row), flush=True)
+                            print(progress_line(_point(row), row, 9, 3), flush=True)
     finally:
         log.close()
     write_rows(out_dir / "results.csv", rows)
@@ -211,12 +212,8 @@ def _measure(row: Row, op: Callable, case: Case, mode: str, p: GpuPreset) -> Row
     return measured_row(row, m, case.batch * case.n)
 
 
-def _summary(row: Row) -> str:
-    what = f"{row['dtype']:<8} D={row['head_dim']:<3} N={row['n']:>6} {row['mode']:<6} {row['series']:<26}"
-    if row["status"] != OK:
-        return f"{what} {row['status']}"
-    speed = f"  {float(row['speedup']):.2f}x" if row["speedup"] else ""
-    return f"{what} {float(row['median_s']) * 1e3:9.3f} ms{speed}"
+def _point(row: Row) -> str:
+    return f"{row['dtype']:<8} D={row['head_dim']:<3} N={row['n']:>6} {row['mode']:<6} {row['series']:<26}"
 
 
 def gpu_markdown(rows: Sequence[Row], info: dict) -> str:

@@ -21,7 +21,9 @@ from ..utils.files import atomic_write, atomic_write_text
 from ..utils.flags import add_force, add_out
 from ..utils.machine import describe
 from ..vision.flops import markdown_table
-from .timing import alternating_rounds
+from .bench import prepare_out_dir
+from .report import command_line
+from .timing import alternating_rounds, torch_threads
 
 REPORT, CSV = "results.md", "results.csv"
 
@@ -60,6 +62,59 @@ def side_by_side(
         }
         for name in calls
     }
+
+
+def timed_rows(
+    timed: dict[str, dict[str, Any]], columns: dict[str, Any], batch: int, unit: str, rounds: int
+) -> list[dict[str, Any]]:
+    """One row per call of :func:`side_by_side`'s result ``timed``: ``columns`` first (what was measured),
+    then the call's name as ``attention``, its median seconds, ``unit``/s (``batch`` of them a forward),
+    its speed-up, the ``rounds`` and whether its output is finite."""
+    return [
+        {
+            **columns,
+            "attention": name,
+            "forward s (median)": t["median"],
+            f"{unit}/s": batch / t["median"],
+            "speed-up": t["speed-up"],
+            "rounds": rounds,
+            "finite": t["finite"],
+        }
+        for name, t in timed.items()
+    ]
+
+
+#: a point of a whole-model benchmark: its progress-bar description and what measures it (given the
+#: progress callback), returning its rows
+Point = tuple[str, Callable[[OnRound], list[dict[str, Any]]]]
+
+
+def run_points(
+    args: argparse.Namespace, target: str, points: Sequence[Point], title: str, method: Callable[[int], str]
+) -> int:
+    """``mita bench TARGET``'s run: under ``--threads``, ``--out`` prepared, each point measured with a
+    progress bar over ``args.rounds`` rounds a point, then :func:`write_results` (``method`` gets the
+    number of torch threads) and the report printed.
+
+    Args:
+        args (Namespace): the parsed flags (``threads``, ``out``, ``force``, ``rounds``).
+        target (str): the target's name (``"seg"``), in the progress bar and the last line.
+        points (sequence of Point): what to measure, in order.
+        title (str): the report's title.
+        method (callable): torch threads -> how it was measured.
+    """
+    with torch_threads(args.threads):
+        out = prepare_out_dir(args.out, force=args.force, resume=False)
+        bar, advance = progress(len(points) * args.rounds, f"mita bench {target}")
+        rows = []
+        with bar:
+            for desc, measure in points:
+                bar.set_description(desc)
+                rows += measure(advance)
+        report = write_results(out, rows, title, method(torch.get_num_threads()), command_line(args))
+    print(report.read_text())
+    print(f"mita bench {target}: results in {out}/ (results.csv, results.md)")
+    return 0
 
 
 def progress(total: int, desc: str) -> tuple[Any, OnRound]:

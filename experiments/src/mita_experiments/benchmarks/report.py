@@ -41,8 +41,13 @@ FIELDS = (
     "speedup",
     "ideal_speedup",
     "fraction_of_ideal",
+    "gflops_per_s",
+    "matmul_gflops_per_s",
+    "share_of_matmul",
     "baseline_session",
 )
+#: FLOPs of a step per forward FLOP: the backward's products are twice the forward's (dX and dW per product)
+PASSES = {"fwd": 1, "fwdbwd": 3}
 OK = "ok"
 Row = dict[str, str]
 
@@ -138,6 +143,8 @@ _COLUMNS: dict[str, tuple[str, Callable[[Row], str]]] = {
     "speedup": ("speed-up", lambda r: f"{float(r['speedup']):.2f}x{_dagger(r)}" if r["speedup"] else ""),
     "ideal": ("ideal", lambda r: f"{float(r['ideal_speedup']):.1f}x" if r["ideal_speedup"] else ""),
     "fraction": ("of ideal", lambda r: f"{float(r['fraction_of_ideal']):.0%}" if r["fraction_of_ideal"] else ""),
+    "gflops": ("GFLOP/s", lambda r: f"{float(r['gflops_per_s']):.1f}" if r.get("gflops_per_s") else ""),
+    "matmul": ("of matmul", lambda r: f"{float(r['share_of_matmul']):.0%}" if r.get("share_of_matmul") else ""),
 }
 TABLE_COLUMNS = tuple(_COLUMNS)
 OTHER_SESSION = "†: the baseline was measured in another session of this run (--resume): same machine, another process"
@@ -271,10 +278,17 @@ def _mib(cell: str) -> float | None:
     return None if not cell else float(cell) / 2**20
 
 
-def measured_row(row: Row, m: Any, tokens: int) -> Row:
-    """``row`` completed with a measurement ``m`` (median_s, repeats, peak_bytes, reference_bytes) of ``tokens``."""
+def measured_row(row: Row, m: Any, tokens: int, matmul_gflops: float | None = None) -> Row:
+    """``row`` completed with a measurement ``m`` (median_s, repeats, peak_bytes, reference_bytes) of ``tokens``;
+    with the FLOP model's GFLOP/s (forward+backward counted as 3 forwards) and, given the machine's
+    ``matmul_gflops`` in the row's dtype, its share of that physical limit."""
+    flops = num(row["model_flops"])
+    rate = flops * PASSES[row["mode"]] / m.median_s / 1e9 if flops else None
     return {
         **row,
+        "gflops_per_s": fmt(rate),
+        "matmul_gflops_per_s": fmt(matmul_gflops),
+        "share_of_matmul": fmt(rate / matmul_gflops if rate is not None and matmul_gflops else None),
         "status": OK,
         "median_s": fmt(m.median_s),
         "repeats": str(m.repeats),
@@ -283,6 +297,15 @@ def measured_row(row: Row, m: Any, tokens: int) -> Row:
         "reference_bytes": fmt(m.reference_bytes),
         "memory_ratio": fmt(m.peak_bytes / m.reference_bytes if m.peak_bytes is not None else None),
     }
+
+
+def progress_line(what: str, row: Row, width: int = 10, decimals: int = 2) -> str:
+    """A measured row as one progress line: ``what`` (the point), then the row's status if it failed,
+    else its median in ms (``width`` wide, ``decimals`` decimals) and its speed-up when it has one."""
+    if row["status"] != OK:
+        return f"{what} {row['status']}"
+    speedup = f"  {float(row['speedup']):.2f}x" if row["speedup"] else ""
+    return f"{what} {float(row['median_s']) * 1e3:{width}.{decimals}f} ms{speedup}"
 
 
 def add_ratios(row: Row, baseline_row: Row | None) -> Row:

@@ -14,10 +14,7 @@ from typing import Any
 import torch
 
 from ..video.flops import TOPK, VideoBackbone, landmarks
-from .bench import prepare_out_dir
-from .models import OnRound, add_common_arguments, check_at_least_one, progress, side_by_side, write_results
-from .report import command_line
-from .timing import torch_threads
+from .models import OnRound, add_common_arguments, check_at_least_one, run_points, side_by_side, timed_rows
 
 HELP = "a whole Hugging Face VideoMAE forward, MiTA vs SDPA, in clips/s"
 METHOD = (
@@ -52,22 +49,13 @@ def clip_throughput(
     alternating rounds after one warm-up call each."""
     models = videomae_models(backbone)
     clips = torch.randn(batch, backbone.frames, 3, backbone.image_size, backbone.image_size)
-    calls = {name: (lambda model=model: model(clips).last_hidden_state) for name, model in models.items()}
+    mita = f"mita m={landmarks(backbone)} k={TOPK}"
+    calls = {
+        "sdpa" if name == "sdpa" else mita: (lambda model=model: model(clips).last_hidden_state)
+        for name, model in models.items()
+    }
     timed = side_by_side(calls, rounds, "sdpa", on_round)
-    return [
-        {
-            "model": backbone.name,
-            "N": backbone.tokens,
-            "batch": batch,
-            "attention": "sdpa" if name == "sdpa" else f"mita m={landmarks(backbone)} k={TOPK}",
-            "forward s (median)": t["median"],
-            "clips/s": batch / t["median"],
-            "speed-up": t["speed-up"],
-            "rounds": rounds,
-            "finite": t["finite"],
-        }
-        for name, t in timed.items()
-    ]
+    return timed_rows(timed, {"model": backbone.name, "N": backbone.tokens, "batch": batch}, batch, "clips", rounds)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,18 +73,13 @@ def run(args: argparse.Namespace) -> int:
     bad = [f for f in args.frames if f < 2 or f % 2]
     if bad:
         raise ValueError(f"--frames must be even numbers >= 2 (tubelets of 2 frames), got {bad}")
-    with torch_threads(args.threads):
-        out = prepare_out_dir(args.out, force=args.force, resume=False)
-        bar, advance = progress(len(args.frames) * args.rounds, "mita bench video")
-        rows = []
-        with bar:
-            for frames in args.frames:
-                backbone = VideoBackbone(f"VideoMAE-B, {frames} frames", 768, args.layers, 12, frames=frames)
-                bar.set_description(backbone.name)
-                rows += clip_throughput(backbone, args.batch, args.rounds, advance)
-        method = METHOD.format(threads=torch.get_num_threads(), landmarks=landmarks(backbone), topk=TOPK)
-        title = f"Whole-model speed: a {args.layers}-layer VideoMAE-B forward, MiTA vs SDPA"
-        report = write_results(out, rows, title, method, command_line(args))
-    print(report.read_text())
-    print(f"mita bench video: results in {out}/ (results.csv, results.md)")
-    return 0
+    backbones = [VideoBackbone(f"VideoMAE-B, {f} frames", 768, args.layers, 12, frames=f) for f in args.frames]
+    points = [(b.name, lambda on_round, b=b: clip_throughput(b, args.batch, args.rounds, on_round)) for b in backbones]
+    title = f"Whole-model speed: a {args.layers}-layer VideoMAE-B forward, MiTA vs SDPA"
+    return run_points(
+        args,
+        "video",
+        points,
+        title,
+        lambda threads: METHOD.format(threads=threads, landmarks=landmarks(backbones[-1]), topk=TOPK),
+    )

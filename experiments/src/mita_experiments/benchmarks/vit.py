@@ -29,10 +29,7 @@ import torch.nn.functional as F
 
 from mita.utils.options import parse_assignments, split_items
 
-from .bench import prepare_out_dir
-from .models import OnRound, add_common_arguments, progress, side_by_side, write_results
-from .report import command_line
-from .timing import torch_threads
+from .models import OnRound, add_common_arguments, run_points, side_by_side
 
 MODELS = ("deit_small_patch16_224", "deit_tiny_patch16_224")
 MODES = ("infer", "train")
@@ -230,17 +227,16 @@ def run(args: argparse.Namespace) -> int:
     sizes = [parse_size(text) for text in args.sizes]
     kwargs = parse_assignments(split_items(args.model_args or ""), "--model-args")
     check_settings(args.models, sizes, args.modes, args.rounds, kwargs)
-    with torch_threads(args.threads):
-        out = prepare_out_dir(args.out, force=args.force, resume=False)
-        tasks = [(name, size, mode) for name in args.models for size in sizes for mode in args.modes]
-        bar, advance = progress(len(tasks) * args.rounds, "mita bench vit")
-        rows = []
-        with bar:
-            for name, size, mode in tasks:
-                bar.set_description(f"{name} {size.image} px {mode}")
-                rows += measure(name, size, mode, args.rounds, model_kwargs=kwargs, on_round=advance)
-        title = "Whole-model speed: timm ViTs converted to MiTA vs unconverted"
-        report = write_results(out, rows, title, METHOD.format(threads=torch.get_num_threads()), command_line(args))
-    print(report.read_text())
-    print(f"mita bench vit: results in {out}/ (results.csv, results.md)")
-    return 0
+    points = [
+        (
+            f"{name} {size.image} px {mode}",
+            lambda on_round, name=name, size=size, mode=mode: measure(
+                name, size, mode, args.rounds, model_kwargs=kwargs, on_round=on_round
+            ),
+        )
+        for name in args.models
+        for size in sizes
+        for mode in args.modes
+    ]
+    title = "Whole-model speed: timm ViTs converted to MiTA vs unconverted"
+    return run_points(args, "vit", points, title, lambda threads: METHOD.format(threads=threads))

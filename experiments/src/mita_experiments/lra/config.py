@@ -13,7 +13,6 @@ both are checked when the configuration is made.
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 from mita.utils.options import apply_assignments, parse_assignments
 
 from ..trainer import DEFAULTS, check_train
+from ..utils.files import read_json
 
 TASKS = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")
 SECTIONS = ("data", "model", "train")
@@ -41,10 +41,7 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 
 
 def _read(path: Path | Any) -> dict[str, Any]:
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    raw = read_json(path, "expected a JSON config file")
     if not isinstance(raw, dict):
         raise ValueError(
             f"{path} holds a JSON {type(raw).__name__}; a config is an object with the sections "
@@ -83,10 +80,7 @@ def load_config(
         The config dict; a ValueError names a bad key or value.
     """
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file {path} not found")
-        raw = _read(path)
+        raw = _read(Path(path))
     else:
         raw = _task_file(task)
     if "variants" in raw:

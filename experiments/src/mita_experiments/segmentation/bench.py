@@ -15,10 +15,14 @@ from typing import Any
 
 import torch
 
-from ..benchmarks.bench import prepare_out_dir
-from ..benchmarks.models import OnRound, add_common_arguments, check_at_least_one, progress, side_by_side, write_results
-from ..benchmarks.report import command_line
-from ..benchmarks.timing import torch_threads
+from ..benchmarks.models import (
+    OnRound,
+    add_common_arguments,
+    check_at_least_one,
+    run_points,
+    side_by_side,
+    timed_rows,
+)
 
 HELP = "a whole Segmenter forward (ViT + Mask Transformer), MiTA vs softmax attention, in images/s"
 METHOD = (
@@ -62,20 +66,8 @@ def measure(
     images = torch.randn(batch, 3, image, image, generator=torch.Generator().manual_seed(1))
     calls = {name: (lambda model=model: model(images)) for name, model in models.items()}
     timed = side_by_side(calls, rounds, "sdpa", on_round)
-    return [
-        {
-            "encoder": f"ViT-{size}" + (f" ({depth} blocks)" if depth else ""),
-            "px": image,
-            "batch": batch,
-            "attention": name,
-            "forward s (median)": t["median"],
-            "images/s": batch / t["median"],
-            "speed-up": t["speed-up"],
-            "rounds": rounds,
-            "finite": t["finite"],
-        }
-        for name, t in timed.items()
-    ]
+    encoder = f"ViT-{size}" + (f" ({depth} blocks)" if depth else "")
+    return timed_rows(timed, {"encoder": encoder, "px": image, "batch": batch}, batch, "images", rounds)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,22 +89,18 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--image must be a multiple of the 16 px patch, got {args.image}")
     if args.depth is not None and args.depth < 1:
         raise ValueError(f"--depth must be >= 1, got {args.depth}")
-    with torch_threads(args.threads):
-        out = prepare_out_dir(args.out, force=args.force, resume=False)
-        bar, advance = progress(len(args.sizes) * args.rounds, "mita bench seg")
-        rows = []
-        with bar:
-            for size in args.sizes:
-                bar.set_description(f"ViT-{size}")
-                rows += measure(
-                    size, args.image, args.batch, args.rounds, args.landmarks, args.topk, args.depth, advance
-                )
-        method = METHOD.format(
-            sizes="/".join(args.sizes), image=args.image, threads=torch.get_num_threads(), m=args.landmarks, k=args.topk
+    points = [
+        (
+            f"ViT-{size}",
+            lambda on_round, size=size: measure(
+                size, args.image, args.batch, args.rounds, args.landmarks, args.topk, args.depth, on_round
+            ),
         )
-        report = write_results(
-            out, rows, "Whole-model speed: Segmenter, MiTA vs softmax attention", method, command_line(args)
-        )
-    print(report.read_text())
-    print(f"mita bench seg: results in {out}/ (results.csv, results.md)")
-    return 0
+        for size in args.sizes
+    ]
+
+    def method(threads: int) -> str:
+        sizes = "/".join(args.sizes)
+        return METHOD.format(sizes=sizes, image=args.image, threads=threads, m=args.landmarks, k=args.topk)
+
+    return run_points(args, "seg", points, "Whole-model speed: Segmenter, MiTA vs softmax attention", method)

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-from ..utils.flags import add_force, add_out
+from ..utils.flags import add_command_group, add_force, add_out
+from ..vision.cli import add_digits_arguments, add_flops_parser, command_line, set_threads, write_report
 from .task import ScenesSetup
-
-_SCENES = ScenesSetup()
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -47,16 +45,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_scenes(args: argparse.Namespace) -> int:
     """``mita seg scenes``: the offline experiment on generated scenes (:mod:`.experiments`)."""
-    import torch
-
-    from ..vision.cli import command_line
     from ..vision.experiments import prepare_output
     from .experiments import run_scenes
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     setup = ScenesSetup(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
     out = prepare_output(args.out, args.force)
     run_scenes(out, setup, command_line(args), configs=args.attention, ms=args.m, ks=args.k, force=args.force)
@@ -66,9 +58,7 @@ def cmd_scenes(args: argparse.Namespace) -> int:
 
 def cmd_flops(args: argparse.Namespace) -> int:
     """``mita seg flops``: FLOPs of the whole Segmenter at 512 px, dense against MiTA m = k = 49."""
-    from ..utils.files import atomic_write_text
     from ..utils.machine import describe
-    from ..vision.cli import command_line
     from ..vision.experiments import prepare_output
     from ..vision.flops import markdown_table
     from . import flops
@@ -89,8 +79,7 @@ def cmd_flops(args: argparse.Namespace) -> int:
 
         from .experiments import write_csv
 
-        head = f"# Segmenter FLOPs\n\nCommand: `{command_line(args)}`\n\nMachine: {describe()}\n\n"
-        atomic_write_text(out / "report.md", head + text)
+        write_report(out, "Segmenter FLOPs", args, text)
         write_csv(out / "flops.csv", rows, {"date": datetime.date.today().isoformat(), "machine": describe()})
         print(f"wrote {out / 'report.md'} and {out / 'flops.csv'}")
     return 0
@@ -100,13 +89,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from .experiments import ROBUSTNESS_K, ROBUSTNESS_M
     from .train import add_arguments
 
-    parser = sub.add_parser(
-        "seg",
-        help="semantic segmentation: Segmenter on ADE20K and generated scenes, FLOPs",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    seg = add_command_group(
+        sub, "seg", "semantic segmentation: Segmenter on ADE20K and generated scenes, FLOPs", __doc__
     )
-    seg = parser.add_subparsers(dest="seg_command", required=True, metavar="SEG_COMMAND")
 
     p = seg.add_parser("train", help="train a Segmenter on ADE20K (resumable; DDP under torchrun)")
     add_out(p, "the run folder: config.json, metrics.csv, checkpoint.pt, model.safetensors, miou.json", required=True)
@@ -131,20 +116,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_eval)
 
     p = seg.add_parser("scenes", help="offline: SDPA vs MiTA on generated scenes, the swap, robustness over m, k")
-    add_out(p, "output folder (default runs/seg/scenes)", default=Path("runs/seg/scenes"), type=Path)
-    add_force(p, "write into a non-empty --out, training its models over (without it, an interrupted run resumes)")
-    p.add_argument("--epochs", type=int, default=_SCENES.epochs)
-    p.add_argument("--batch-size", type=int, default=_SCENES.batch_size)
-    p.add_argument("--lr", type=float, default=_SCENES.lr)
-    p.add_argument("--seed", type=int, default=_SCENES.seed)
-    p.add_argument("--threads", type=int, help="torch threads (1 is fastest on a busy machine)")
+    add_digits_arguments(p, "runs/seg/scenes", ScenesSetup())
     p.add_argument("--attention", nargs="+", help="swap configs (default: every registered method)")
     p.add_argument("--m", type=int, nargs="+", default=list(ROBUSTNESS_M), help="landmarks (squares)")
     p.add_argument("--k", type=int, nargs="+", default=list(ROBUSTNESS_K), help="keys per expert")
     p.set_defaults(func=cmd_scenes)
 
-    p = seg.add_parser("flops", help="FLOPs of the whole Segmenter at 512 px, dense vs MiTA m = k = 49")
-    add_out(p, "also write report.md here", type=Path)
-    add_force(p, "overwrite an existing report")
-    p.add_argument("--no-counted", action="store_true", help="skip counting the MiTA implementation itself")
-    p.set_defaults(func=cmd_flops)
+    add_flops_parser(
+        seg, "FLOPs of the whole Segmenter at 512 px, dense vs MiTA m = k = 49", "also write report.md here", cmd_flops
+    )

@@ -32,36 +32,29 @@ from mita import attention as registry
 
 from ..utils.files import atomic_write, atomic_write_text
 from ..utils.machine import describe
-from ..vision.experiments import config_string, mita_layers, pyplot
+from ..vision.digits import Tensors
+from ..vision.experiments import (
+    config_string,
+    mita_layers,
+    plot_robustness,
+    plot_swap,
+    robustness_grid,
+    sized_options,
+    swap_configs,
+)
 from ..vision.flops import markdown_table
 from .scenes import NUM_CLASSES, SHAPE_PX, SHAPES, SHAPES_PER_SCENE, SIZE, load_scenes
-from .task import PATCH, Pairs, ScenesSetup, evaluate_miou, train_scenes
+from .task import PATCH, ScenesSetup, evaluate_miou, train_scenes
 
 TOKENS = (SIZE // PATCH) ** 2  # 144 patches, plus the CLS token
-#: each method's options at N = 145 on the 12 x 12 patch grid (methods not listed: their defaults)
-SCENES_OPTIONS: dict[str, dict[str, Any]] = {
-    "mita": {"num_landmarks": 16, "topk": 16},
-    "mita_routed": {"num_landmarks": 16, "topk": 16},
-    "mita_shared": {"num_landmarks": 16, "topk": 16},
-    "topk": {"topk": 16},
-    "moba": {"block_size": 16, "topk": 2},
-    "agent": {"num_agents": 16},
-    "nystrom": {"num_landmarks": 16},
-    "mhla": {"num_blocks": 16},
-    "nsa": {"block_size": 16, "topk": 2, "window": 8},
-}
+#: each method's options at N = 145 on the 12 x 12 patch grid
+SCENES_OPTIONS = sized_options(landmarks=16, topk=16, block_size=16, window=8)
 TRAIN_MITA = config_string("mita", SCENES_OPTIONS["mita"])
 SWAP_EXTRA = ("mita:num_landmarks=4,topk=8", "mita:num_landmarks=36,topk=64", "mita:num_landmarks=64,topk=145")
 ROBUSTNESS_M = (1, 4, 9, 16, 36, 64)
 ROBUSTNESS_K = (4, 8, 16, 32, 64, 145)
 RUNS = ("sdpa", "mita")
 Log = Callable[[str], None]
-
-
-def swap_configs() -> list[str]:
-    """Every registered method with its options at the scenes' length, then :data:`SWAP_EXTRA`."""
-    configs = [config_string(name, SCENES_OPTIONS.get(name, {})) for name in registry.names()]
-    return configs + [c for c in SWAP_EXTRA if c not in configs]
 
 
 def write_csv(path: Path, rows: Sequence[dict[str, Any]], stamp: dict[str, str]) -> None:
@@ -96,7 +89,7 @@ def run_scenes(
     for config in configs or ():
         registry.resolve(config)
     data = data if data is not None else load_scenes(setup.seed)
-    test = Pairs(data[2], data[3])
+    test = Tensors(data[2], data[3])
     stamp = {"date": datetime.date.today().isoformat(), "machine": describe()}
     models, runs = {}, []
     for name, attention in (("sdpa", "sdpa"), ("mita", TRAIN_MITA)):
@@ -112,7 +105,7 @@ def run_scenes(
         log(f"{attention}: mIoU {100 * summary['mIoU']:.2f}%")
     base = runs[0]["test mIoU (%)"]
     swaps = []
-    for config in [*(configs or swap_configs()), f"{TRAIN_MITA} (decoder too)"]:
+    for config in [*(configs or swap_configs(SCENES_OPTIONS, SWAP_EXTRA)), f"{TRAIN_MITA} (decoder too)"]:
         model = copy.deepcopy(models["sdpa"])
         encoder = config.removesuffix(" (decoder too)")
         model.set_attention(encoder, decoder=encoder if encoder != config else None)
@@ -128,19 +121,16 @@ def run_scenes(
             }
         )
         log(f"swap {config}: mIoU {miou:.2f}%")
-    grid = torch.zeros(len(ms), len(ks))
-    layers = [layer for layer in mita_layers(models["mita"]) if layer.num_prefix_tokens == 1]  # the encoder's
-    for i, m in enumerate(ms):
-        for j, k in enumerate(ks):
-            for layer in layers:
-                layer.num_landmarks, layer.topk = m, k
-            grid[i, j] = 100 * evaluate_miou(models["mita"], test, NUM_CLASSES, batch_size=100)["mIoU"]
-        log(f"robustness m={m}: " + ", ".join(f"k={k} {v:.1f}" for k, v in zip(ks, grid[i].tolist())))
-    robustness = [{"m \\ k": m, **{f"k={k}": float(grid[i, j]) for j, k in enumerate(ks)}} for i, m in enumerate(ms)]
+    model = models["mita"]
+    layers = [layer for layer in mita_layers(model) if layer.num_prefix_tokens == 1]  # the encoder's
+    grid = robustness_grid(
+        layers, ms, ks, lambda: 100 * evaluate_miou(model, test, NUM_CLASSES, batch_size=100)["mIoU"], log
+    )
+    plot_swap(out, swaps, "mIoU kept (%)", "test mIoU kept after the swap (% of the SDPA model's)", "95%")
+    robustness = plot_robustness(out, grid, ms, ks, f"trained: {TRAIN_MITA}", "test mIoU (%)")
     write_csv(out / "runs.csv", runs, stamp)
     write_csv(out / "swap.csv", swaps, stamp)
     write_csv(out / "robustness.csv", robustness, stamp)
-    _plots(out, swaps, grid, ms, ks)
     n_train, n_test = len(data[1]), len(data[3])
     setup_text = ", ".join(f"{k}={v}" for k, v in asdict(setup).items() if k != "attention")
     sections = [
@@ -170,29 +160,3 @@ def run_scenes(
     ]
     atomic_write_text(out / "report.md", "\n".join(sections) + "\n")
     return {"runs": runs, "swap": swaps, "robustness": grid}
-
-
-def _plots(out: Path, swaps: list[dict[str, Any]], grid: torch.Tensor, ms: Sequence[int], ks: Sequence[int]) -> None:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 0.4 * len(swaps) + 1.2))
-    ax.barh([r["attention at test time"] for r in swaps], [r["mIoU kept (%)"] for r in swaps], color="tab:blue")
-    ax.axvline(95, color="tab:red", linestyle="--", label="95%")
-    ax.set_xlabel("test mIoU kept after the swap (% of the SDPA model's)")
-    ax.invert_yaxis()
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(out / "swap.png", dpi=120)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(1.5 + 0.8 * len(ks), 1 + 0.6 * len(ms)))
-    im = ax.imshow(grid.numpy(), cmap="viridis", origin="lower")
-    ax.set_xticks(range(len(ks)), [str(k) for k in ks])
-    ax.set_yticks(range(len(ms)), [str(m) for m in ms])
-    ax.set(xlabel="k (keys per expert) at test time", ylabel="m (landmarks) at test time")
-    ax.set_title(f"trained: {TRAIN_MITA}")
-    for i in range(len(ms)):
-        for j in range(len(ks)):
-            ax.text(j, i, f"{grid[i, j]:.1f}", ha="center", va="center", color="w", fontsize=7)
-    fig.colorbar(im, ax=ax, label="test mIoU (%)")
-    fig.tight_layout()
-    fig.savefig(out / "robustness.png", dpi=120)
-    plt.close(fig)

@@ -21,37 +21,17 @@ from mita import attention as registry
 
 from .. import trainer
 from ..utils.distributed import Dist
-from ..vision.digits import DigitsSetup
+from ..vision.digits import DigitsSetup, Tensors, fit, train_section
 from .metrics import IGNORE_INDEX, ConfusionMatrix
 from .scenes import NUM_CLASSES, SIZE, load_scenes
 
 __all__ = [
-    "Pairs",
     "ScenesSetup",
     "SegmentationScores",
     "evaluate_miou",
     "make_scenes_model",
     "train_scenes",
 ]
-
-
-class Pairs:
-    """In-memory images (n, C, H, W) and targets (n, H, W) as a trainer dataset (a whole batch per ``__getitems__``)."""
-
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
-        if len(images) != len(labels):
-            raise ValueError(f"{len(images)} images but {len(labels)} label maps")
-        self.images, self.labels = images, labels
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.images[index], self.labels[index]
-
-    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = torch.tensor(indices)
-        return self.images[idx], self.labels[idx]
 
 
 def predict(
@@ -148,19 +128,10 @@ def make_scenes_model(setup: ScenesSetup) -> nn.Module:
     from mita.models.segmenter import create_segmenter
 
     torch.manual_seed(setup.seed)
+    names = ("embed_dim", "depth", "num_heads", "decoder", "attention", "decoder_attention", "decoder_depth")
+    sizes = {name: getattr(setup, name) for name in names}
     return create_segmenter(
-        "tiny",
-        num_classes=NUM_CLASSES,
-        img_size=SIZE,
-        patch_size=PATCH,
-        embed_dim=setup.embed_dim,
-        depth=setup.depth,
-        num_heads=setup.num_heads,
-        decoder=setup.decoder,
-        attention=setup.attention,
-        decoder_attention=setup.decoder_attention,
-        decoder_depth=setup.decoder_depth,
-        drop_path_rate=0.0,
+        "tiny", num_classes=NUM_CLASSES, img_size=SIZE, patch_size=PATCH, drop_path_rate=0.0, **sizes
     )
 
 
@@ -180,51 +151,24 @@ def train_scenes(
 
     Returns the trained model and a summary: test mIoU, pixel accuracy and training seconds.
     """
-    run_dir = Path(run_dir)
     data = data if data is not None else load_scenes(setup.seed)
     x_train, y_train, x_test, y_test = data
-    if setup.batch_size > len(y_train):
-        raise ValueError(f"--batch-size {setup.batch_size} exceeds the {len(y_train)} training scenes")
-    if not force and (run_dir / trainer.MANIFEST).is_file():
-        run = trainer.read_manifest(run_dir)["config"]
-        if (run.get("task"), run.get("setup")) != ("scenes", asdict(setup)):
-            raise ValueError(
-                f"{run_dir} holds a {run.get('task')} run of {run.get('setup')}, not of {asdict(setup)}; "
-                "use another output folder or --force to train over it"
-            )
-    per_epoch = len(y_train) // setup.batch_size
-    steps = setup.epochs * per_epoch
+    train = train_section(setup, len(y_train), "training scenes")
+    log_every = max(1, train["checkpoint_every"] // 4)
     config = {
-        "train": {
-            "batch_size": setup.batch_size,
-            "steps": steps,
-            "lr": setup.lr,
-            "weight_decay": 0.01,
-            "schedule": "cosine",
-            "warmup": steps // 10,
-            "seed": setup.seed,
-            "log_every": max(1, per_epoch // 4),
-            "checkpoint_every": per_epoch,
-            "eval_batch_size": 100,
-        },
+        "train": {**train, "log_every": log_every, "eval_batch_size": 100},
         "task": "scenes",
         "setup": asdict(setup),
     }
     task = trainer.Task(
         build_model=lambda: build(setup),
         scores=SegmentationScores(),
-        train_data=Pairs(x_train, y_train),
-        eval_data={"test": Pairs(x_test, y_test)},
+        train_data=Tensors(x_train, y_train),
+        eval_data={"test": Tensors(x_test, y_test)},
         identity={"task": "scenes", "attention": setup.attention, "decoder_attention": setup.decoder_attention},
         fingerprint={"train": trainer.tensor_digest(x_train, y_train), "test": trainer.tensor_digest(x_test, y_test)},
         name=f"scenes {setup.attention}",
     )
-    resume = not force and (run_dir / trainer.CHECKPOINT).is_file()
-    summary = trainer.train(
-        task, config, run_dir, resume=resume, force=force, progress=progress, tensorboard=False, ctx=Dist()
-    )
-    model = build(setup)
-    weights = run_dir / trainer.WEIGHTS
-    trainer.load_model_state(model, trainer.read_checkpoint(weights)["model"], weights)
-    scores = evaluate_miou(model, Pairs(x_test, y_test), NUM_CLASSES, batch_size=100)
-    return model, {**scores, "train_seconds": summary["train_seconds"]}
+    model, seconds = fit(task, config, setup, run_dir, name="scenes", build=build, force=force, progress=progress)
+    scores = evaluate_miou(model, Tensors(x_test, y_test), NUM_CLASSES, batch_size=100)
+    return model, {**scores, "train_seconds": seconds}

@@ -23,8 +23,9 @@ import torch
 
 from .. import trainer
 from ..trainer import cli as trainer_cli
+from ..trainer.cli import flag
 from ..utils.checkpoint import load_checkpoint, load_weights
-from ..utils.distributed import Dist, init_distributed
+from ..utils.distributed import Dist
 from ..utils.files import atomic_write_text
 from .ade20k import ADE20K, NUM_CLASSES, EvalTransform, TrainTransform
 from .task import SegmentationScores, evaluate_miou
@@ -53,20 +54,11 @@ RECIPE: dict[str, Any] = {
 MIOU = "miou.json"
 
 
-def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
 def recipe(args: argparse.Namespace) -> dict[str, Any]:
     """The run's recipe: the flags given, the rest :data:`RECIPE`'s defaults or on ``--resume`` the run's
     (the trainer refuses a resume whose recipe differs, naming the keys); checked before any data is read."""
-    base = RECIPE
-    out = Path(args.out)
-    if args.resume and (out / trainer.MANIFEST).is_file():
-        run = trainer.read_manifest(out)["config"].get("recipe")
-        if not isinstance(run, dict) or set(run) != set(RECIPE):
-            raise ValueError(f"--resume: {out} holds a run that is not a 'mita seg train' run; pick its own command")
-        base = run
+    run = trainer_cli.resumed_recipe(Path(args.out), RECIPE, "mita seg train") if args.resume else None
+    base = RECIPE if run is None else run
     made = {key: base[key] if getattr(args, key) is None else getattr(args, key) for key in RECIPE}
     from mita.models.segmenter import SIZES
 
@@ -74,7 +66,7 @@ def recipe(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--size must be one of {list(SIZES)}, got {made['size']!r}")
     for key in ("decoder_depth", "crop", "epochs", "batch_size", "window", "stride", "eval_epochs", "val_images"):
         if not (isinstance(made[key], int) and made[key] >= 1):
-            raise ValueError(f"{_flag(key)} must be a whole number >= 1, got {made[key]!r}")
+            raise ValueError(f"{flag(key)} must be a whole number >= 1, got {made[key]!r}")
     if not (math.isfinite(made["lr"]) and made["lr"] > 0):
         raise ValueError(f"--lr must be a number > 0, got {made['lr']!r}")
     if not (math.isfinite(made["weight_decay"]) and made["weight_decay"] >= 0):
@@ -170,30 +162,21 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """``mita seg train``: train (or ``--resume``, or ``--force`` start over) the run in ``--out``; its summary,
     and on a finished run ``miou.json``."""
-    import torch.distributed as dist
-
     made = recipe(args)
-    if args.workers < 0:
-        raise ValueError(f"--workers must be >= 0, got {args.workers}")
-    ctx = init_distributed(args.device)
-    try:
-        task, config = training(made, Path(args.data), args.workers, ctx.world)
-        summary = trainer.train(task, config, args.out, ctx=ctx, **trainer_cli.options(args))
-        if summary.get("finished"):
-            model = build_model({**made, "init": None}).to(ctx.device)
-            weights = Path(args.out) / trainer.WEIGHTS
-            trainer.load_model_state(model, trainer.read_checkpoint(weights)["model"], weights)
-            val = ADE20K(args.data, "validation", EvalTransform(scale=(4 * made["crop"], made["crop"])))
-            scores = evaluate_miou(model, val, NUM_CLASSES, window=made["window"], stride=made["stride"], ctx=ctx)
-            if ctx.main:
-                atomic_write_text(Path(args.out) / MIOU, json.dumps(scores, indent=2))
-                summary["val_mIoU"] = scores["mIoU"]
-    finally:
-        if ctx.distributed:
-            dist.destroy_process_group()
-    if ctx.main:
-        print(json.dumps(summary, indent=2))
-    return summary
+
+    def finish(summary: dict[str, Any], ctx: Dist) -> None:
+        if not summary.get("finished"):
+            return
+        model = build_model({**made, "init": None}).to(ctx.device)
+        weights = Path(args.out) / trainer.WEIGHTS
+        trainer.load_model_state(model, trainer.read_checkpoint(weights)["model"], weights)
+        val = ADE20K(args.data, "validation", EvalTransform(scale=(4 * made["crop"], made["crop"])))
+        scores = evaluate_miou(model, val, NUM_CLASSES, window=made["window"], stride=made["stride"], ctx=ctx)
+        if ctx.main:
+            atomic_write_text(Path(args.out) / MIOU, json.dumps(scores, indent=2))
+            summary["val_mIoU"] = scores["mIoU"]
+
+    return trainer_cli.run_recipe(args, made, training, finish)
 
 
 def evaluate(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
@@ -239,7 +222,6 @@ def evaluate(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``mita seg train`` but ``--out``: the data, the recipe (left out: :data:`RECIPE`'s
     default, or on ``--resume`` the run's), loading processes and the trainer's flags."""
-    p.add_argument("--data", required=True, help="ADEChallengeData2016, or the folder holding it")
     helps = {
         "size": "ViT size: tiny, small, base or large",
         "decoder": "mask_transformer or linear",
@@ -260,11 +242,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "amp": "bfloat16 autocast",
         "seed": "seed of the initialisation, the data order and every random draw",
     }
-    for key, default in RECIPE.items():
-        text = f"{helps[key]} (default {default}; on --resume the run's)"
-        if isinstance(default, bool):
-            p.add_argument(_flag(key), action="store_true", default=None, help=text)
-        else:
-            p.add_argument(_flag(key), type=str if default is None else type(default), help=text)
-    p.add_argument("--workers", type=int, default=4, help="image loading processes per process (default 4)")
-    trainer_cli.add_arguments(p)
+    trainer_cli.add_recipe_arguments(p, "ADEChallengeData2016, or the folder holding it", RECIPE, helps, workers=4)

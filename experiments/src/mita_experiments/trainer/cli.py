@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from mita.utils.options import parse_assignments
@@ -16,10 +17,14 @@ __all__ = [
     "add_arguments",
     "add_eval_arguments",
     "add_overrides",
+    "add_recipe_arguments",
     "add_train_arguments",
+    "flag",
     "options",
     "positive_int",
+    "resumed_recipe",
     "run_eval",
+    "run_recipe",
     "run_train",
 ]
 
@@ -146,3 +151,96 @@ def run_eval(args: argparse.Namespace, evaluate: Callable[..., dict[str, Any]]) 
     if out is not None:
         atomic_write_text(out, text + "\n")
     return result
+
+
+def flag(key: str) -> str:
+    """The command-line flag of a recipe key: ``batch_size`` -> ``--batch-size``."""
+    return "--" + key.replace("_", "-")
+
+
+def add_recipe_arguments(
+    parser: argparse.ArgumentParser,
+    data: str,
+    recipe: Mapping[str, Any],
+    helps: Mapping[str, str],
+    workers: int,
+    shown: Mapping[str, str] | None = None,
+) -> None:
+    """Add ``--data``, a flag per key of a training command's ``recipe`` (its defaults), ``--workers`` and
+    :func:`add_arguments`.
+
+    A flag left out is None (the recipe's default, or on ``--resume`` the run's); a bool key is a store-true
+    flag, any other takes its default's type (str where the default is None or a dict).
+
+    Args:
+        parser (ArgumentParser): the command's parser.
+        data (str): the help of ``--data`` (required), where the data set is.
+        recipe (mapping): key -> default, in the order the flags are listed.
+        helps (mapping): key -> its help (the default and "on --resume the run's" are appended).
+        workers (int): ``--workers``' default, the data loading processes per process.
+        shown (mapping | None): key -> how its default is shown in the help (default: the value).
+    """
+    parser.add_argument("--data", required=True, help=data)
+    for key, default in recipe.items():
+        text = f"{helps[key]} (default {(shown or {}).get(key, default)}; on --resume the run's)"
+        if isinstance(default, bool):
+            parser.add_argument(flag(key), action="store_true", default=None, help=text)
+        else:
+            kind = str if default is None or isinstance(default, dict) else type(default)
+            parser.add_argument(flag(key), type=kind, help=text)
+    parser.add_argument(
+        "--workers", type=int, default=workers, help=f"image loading processes per process (default {workers})"
+    )
+    add_arguments(parser)
+
+
+def resumed_recipe(out: Path, keys: Mapping[str, Any], command: str) -> dict[str, Any] | None:
+    """On ``--resume``, the recipe recorded by the run in ``out`` (None if it holds no run yet); a ValueError
+    when that run was not made by ``command`` (its recipe lacks a key of ``keys`` or has another)."""
+    from .run import MANIFEST, read_manifest
+
+    if not (out / MANIFEST).is_file():
+        return None
+    run = read_manifest(out)["config"].get("recipe")
+    if not isinstance(run, dict) or set(run) != set(keys):
+        raise ValueError(f"--resume: {out} holds a run that is not a '{command}' run; pick its own command")
+    return run
+
+
+def run_recipe(
+    args: argparse.Namespace,
+    made: dict[str, Any],
+    training: Callable[[dict[str, Any], Path, int, int], tuple[Any, dict[str, Any]]],
+    finish: Callable[[dict[str, Any], Any], None] | None = None,
+) -> dict[str, Any]:
+    """Train a checked recipe ``made`` in ``--out`` on this process (under torchrun: its rank of a DDP run).
+
+    Args:
+        args (Namespace): the flags of :func:`add_recipe_arguments` with ``--data`` and ``--out``.
+        made (dict): the recipe.
+        training (callable): (recipe, data folder, ``--workers``, processes) -> the trainer's task and config.
+        finish (callable | None): (summary, distributed context) -> None, run on every process after training
+            and before the process group is closed (e.g. a final evaluation that adds to the summary).
+
+    Returns:
+        The trainer's summary, which the main process also prints as JSON.
+    """
+    import torch.distributed as dist
+
+    from ..utils.distributed import init_distributed
+    from .loop import train
+
+    if args.workers < 0:
+        raise ValueError(f"--workers must be >= 0, got {args.workers}")
+    ctx = init_distributed(args.device)
+    try:
+        task, config = training(made, Path(args.data), args.workers, ctx.world)
+        summary = train(task, config, args.out, ctx=ctx, **options(args))
+        if finish is not None:
+            finish(summary, ctx)
+    finally:
+        if ctx.distributed:
+            dist.destroy_process_group()
+    if ctx.main:
+        print(json.dumps(summary, indent=2))
+    return summary

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..utils.checkpoint import load_checkpoint, load_weights
-from ..utils.files import atomic_write_text, prepare_output_dir, remove_stale_temporaries, stale_temporary
+from ..utils.files import atomic_write_text, prepare_output_dir, read_json, remove_stale_temporaries, stale_temporary
 
 __all__ = [
     "BEST",
@@ -106,12 +106,7 @@ def claim(run_dir: Path, resuming: bool, force: bool) -> None:
 def read_manifest(run_dir: str | Path) -> dict[str, Any]:
     """A run's ``config.json``: {"config", "identity", "data"}; FileNotFoundError / ValueError name the file."""
     path = Path(run_dir) / MANIFEST
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: {run_dir} holds no run")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path} is not a run manifest (not JSON: {err})") from None
+    manifest = read_json(path, f"{run_dir} holds no run")
     if not (isinstance(manifest, dict) and isinstance(manifest.get("config"), dict)):
         raise ValueError(f"{path} is not a run manifest: it lacks the 'config' dict")
     manifest.setdefault("identity", {})

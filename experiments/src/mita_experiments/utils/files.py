@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import re
 import stat
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 __all__ = [
     "atomic_write",
@@ -21,6 +22,18 @@ __all__ = [
     "remove_stale_temporaries",
     "stale_temporary",
 ]
+
+
+def read_json(path: Path | Any, hint: str) -> Any:
+    """The JSON value of the UTF-8 file ``path`` (a path or a package resource): a FileNotFoundError
+    ``"{path} not found: {hint}"`` (``hint``: what was expected there) when it is no file, a ValueError
+    naming the file when it is not JSON."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: {hint}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
 
 
 def _writable_parent(path: Path, flag: str) -> None:

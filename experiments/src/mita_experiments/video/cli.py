@@ -6,10 +6,9 @@ Speed is ``mita bench video`` (a whole VideoMAE) and ``mita bench --preset video
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from ..utils.flags import add_command_group, add_force, add_out
-from ..vision.cli import add_digits_arguments, command_line, digits_setup
+from ..utils.flags import add_command_group
+from ..vision.cli import add_digits_arguments, add_flops_parser, command_line, digits_setup, write_report
 from .experiments import ROBUSTNESS_K, ROBUSTNESS_M, VIDEO_SETUP
 
 
@@ -38,8 +37,6 @@ def cmd_robustness(args: argparse.Namespace) -> int:
 
 def cmd_flops(args: argparse.Namespace) -> int:
     """``mita video flops``: FLOP and parameter tables of VideoMAE encoders, full attention against MiTA."""
-    from ..utils.files import atomic_write_text
-    from ..utils.machine import describe
     from ..vision.experiments import prepare_output
     from ..vision.flops import markdown_table
     from . import flops
@@ -53,9 +50,7 @@ def cmd_flops(args: argparse.Namespace) -> int:
     )
     print(text)
     if out is not None:
-        head = f"# Video FLOP tables\n\nCommand: `{command_line(args)}`\n\nMachine: {describe()}\n\n"
-        atomic_write_text(out / "report.md", head + text)
-        print(f"wrote {out / 'report.md'}")
+        print(f"wrote {write_report(out, 'Video FLOP tables', args, text)}")
     return 0
 
 
@@ -74,8 +69,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--k", type=int, nargs="+", default=list(ROBUSTNESS_K), help="keys per expert")
     p.set_defaults(func=cmd_robustness)
 
-    p = video.add_parser("flops", help="FLOP and parameter tables of VideoMAE encoders, full attention vs MiTA")
-    add_out(p, "also write report.md here", type=Path)
-    add_force(p, "overwrite an existing report")
-    p.add_argument("--no-counted", action="store_true", help="skip counting the MiTA implementation itself")
-    p.set_defaults(func=cmd_flops)
+    help = "FLOP and parameter tables of VideoMAE encoders, full attention vs MiTA"
+    add_flops_parser(video, help, "also write report.md here", cmd_flops)

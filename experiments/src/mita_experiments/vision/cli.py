@@ -4,6 +4,7 @@ trainer. Whole-model speed is ``mita bench vit``."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,12 +34,39 @@ def command_line(args: argparse.Namespace) -> str:
     return " ".join(parts)
 
 
+def set_threads(threads: int | None) -> None:
+    """torch's threads set to ``--threads`` (None: left as they are); a ValueError when it is below 1."""
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
 def digits_setup(args: argparse.Namespace, attention: str) -> DigitsSetup:
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    """The setup of a digits command's flags (:func:`add_digits_arguments`) with ``attention``; sets ``--threads``."""
+    set_threads(args.threads)
     return DigitsSetup(attention=attention, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+
+
+def write_report(out: Path, title: str, args: argparse.Namespace, body: str) -> Path:
+    """``out/report.md``: ``title``, the command of ``args``, the machine, then ``body``; its path."""
+    from ..utils.machine import describe
+
+    path = out / "report.md"
+    atomic_write_text(path, f"# {title}\n\nCommand: `{command_line(args)}`\n\nMachine: {describe()}\n\n{body}")
+    return path
+
+
+def add_flops_parser(
+    commands: argparse._SubParsersAction, help: str, out_help: str, func: Callable[[argparse.Namespace], int]
+) -> None:
+    """Add a ``flops`` command (``help``) with ``--out`` (``out_help``), ``--force`` and ``--no-counted``,
+    run by ``func``."""
+    p = commands.add_parser("flops", help=help)
+    add_out(p, out_help, type=Path)
+    add_force(p, "write into a non-empty --out (an existing report)")
+    p.add_argument("--no-counted", action="store_true", help="skip counting the MiTA implementation itself")
+    p.set_defaults(func=func)
 
 
 def cmd_flops(args: argparse.Namespace) -> int:
@@ -84,9 +112,8 @@ def cmd_flops(args: argparse.Namespace) -> int:
         fig.tight_layout()
         fig.savefig(out / "flops_vs_length.png", dpi=120)
         plt.close(fig)
-        figure = "![FLOPs against length](flops_vs_length.png)"
-        atomic_write_text(out / "report.md", f"# FLOP tables\n\nCommand: `{command_line(args)}`\n\n{text}\n{figure}\n")
-        print(f"wrote {out / 'report.md'}")
+        body = text + "\n![FLOPs against length](flops_vs_length.png)\n"
+        print(f"wrote {write_report(out, 'FLOP tables', args, body)}")
     return 0
 
 
@@ -165,11 +192,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         sub, "vision", "ViTs with MiTA: FLOP tables, digits experiments, ImageNet trainer", __doc__
     )
 
-    p = vision.add_parser("flops", help="FLOP and parameter tables, full attention vs MiTA")
-    add_out(p, "also write report.md and flops_vs_length.png here", type=Path)
-    add_force(p, "write into a non-empty --out (an existing report)")
-    p.add_argument("--no-counted", action="store_true", help="skip counting the MiTA implementation itself")
-    p.set_defaults(func=cmd_flops)
+    add_flops_parser(
+        vision,
+        "FLOP and parameter tables, full attention vs MiTA",
+        "also write report.md and flops_vs_length.png here",
+        cmd_flops,
+    )
 
     p = vision.add_parser("swap", help="train with SDPA, evaluate with MiTA and the other methods")
     add_digits_arguments(p, "runs/vision/swap")

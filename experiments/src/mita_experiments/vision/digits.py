@@ -103,13 +103,19 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
 
 
 class Tensors:
-    """In-memory inputs and labels as a dataset of the trainer: ``__getitems__`` gives a whole batch."""
+    """In-memory inputs (n, ...) and targets (n, ...) as a dataset of the trainer: ``__getitems__`` gives a
+    whole batch, ``__getitem__`` one (input, target) pair."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        if len(x) != len(y):
+            raise ValueError(f"{len(x)} inputs but {len(y)} targets")
         self.x, self.y = x, y
 
     def __len__(self) -> int:
         return len(self.y)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[index], self.y[index]
 
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.tensor(indices)
@@ -121,18 +127,15 @@ def scores(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> traine
     return trainer.classification_scores(model(batch[0]), batch[1])
 
 
-def training(
-    setup: DigitsSetup, data: tuple[torch.Tensor, ...], build: Build = make_vit, name: str = "digits"
-) -> tuple[trainer.Task, dict[str, Any]]:
-    """The trainer's task and config of a digits run: ``build(setup)``'s model on ``data``'s training
-    split, ``setup.epochs`` epochs of AdamW (weight decay 0.01) with a linear warm-up over the first
-    tenth of the steps and a cosine decay, a checkpoint every epoch. ``name`` names the task."""
-    x_train, y_train = data[0], data[1]
-    if setup.batch_size > len(y_train):
-        raise ValueError(f"--batch-size {setup.batch_size} exceeds the {len(y_train)} training examples")
-    steps_per_epoch = len(y_train) // setup.batch_size
+def train_section(setup: DigitsSetup, examples: int, what: str = "training examples") -> dict[str, Any]:
+    """The trainer's "train" section of ``setup`` on ``examples`` training examples (``what``, in the error):
+    ``setup.epochs`` epochs of AdamW (weight decay 0.01) with a linear warm-up over the first tenth of the
+    steps and a cosine decay, a log line and a checkpoint every epoch."""
+    if setup.batch_size > examples:
+        raise ValueError(f"--batch-size {setup.batch_size} exceeds the {examples} {what}")
+    steps_per_epoch = examples // setup.batch_size
     steps = setup.epochs * steps_per_epoch
-    train = {
+    return {
         "batch_size": setup.batch_size,
         "steps": steps,
         "lr": setup.lr,
@@ -143,6 +146,15 @@ def training(
         "log_every": steps_per_epoch,
         "checkpoint_every": steps_per_epoch,
     }
+
+
+def training(
+    setup: DigitsSetup, data: tuple[torch.Tensor, ...], build: Build = make_vit, name: str = "digits"
+) -> tuple[trainer.Task, dict[str, Any]]:
+    """The trainer's task and config of a digits run: ``build(setup)``'s model on ``data``'s training
+    split, trained as :func:`train_section` says. ``name`` names the task."""
+    x_train, y_train = data[0], data[1]
+    train = train_section(setup, len(y_train))
     task = trainer.Task(
         build_model=lambda: build(setup),
         scores=scores,
@@ -170,8 +182,39 @@ def train(
     A run of another setup or task there is an error, or is started over with ``force``.
     Returns the trained model and a summary: its test accuracy and its training seconds.
     """
-    run_dir = Path(run_dir)
     task, config = training(setup, data, build, name)
+    model, seconds = fit(task, config, setup, run_dir, name=name, build=build, force=force, progress=progress)
+    return model, {"test_accuracy": evaluate(model, data[2], data[3]), "train_seconds": seconds}
+
+
+def fit(
+    task: trainer.Task,
+    config: dict[str, Any],
+    setup: DigitsSetup,
+    run_dir: str | Path,
+    *,
+    name: str,
+    build: Callable[[Any], nn.Module],
+    force: bool = False,
+    progress: bool = True,
+) -> tuple[nn.Module, float]:
+    """Train ``task`` with ``config`` in the run folder ``run_dir`` on the CPU, resuming the run there if it
+    was interrupted; then ``build(setup)`` with the final weights.
+
+    Args:
+        task (trainer.Task): what is trained.
+        config (dict): the trainer's config, with ``"task": name`` and ``"setup": asdict(setup)``.
+        setup (DigitsSetup): the run's setup (a run of another setup there is an error unless ``force``).
+        run_dir (str | Path): the run folder.
+        name (str): the task's name, as recorded in the run.
+        build (callable): setup -> the model, to load the final weights into.
+        force (bool): start over in a run folder of another run. Default False.
+        progress (bool): show a progress bar. Default True.
+
+    Returns:
+        The trained model and its training seconds.
+    """
+    run_dir = Path(run_dir)
     if not force and (run_dir / trainer.MANIFEST).is_file():
         run = trainer.read_manifest(run_dir)["config"]
         if (run.get("task"), run.get("setup")) != (name, asdict(setup)):
@@ -192,4 +235,4 @@ def train(
     model = build(setup)
     weights = run_dir / trainer.WEIGHTS
     trainer.load_model_state(model, trainer.read_checkpoint(weights)["model"], weights)
-    return model, {"test_accuracy": evaluate(model, data[2], data[3]), "train_seconds": summary["train_seconds"]}
+    return model, summary["train_seconds"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -199,6 +199,57 @@ def mita_layers(model: torch.nn.Module) -> list[MiTAAttention]:
     return [m for m in model.modules() if isinstance(m, MiTAAttention)]
 
 
+def plot_swap(out: Path, rows: list[dict[str, Any]], column: str, xlabel: str, line: str) -> None:
+    """``out/swap.png``: a bar per swap row (its ``"attention at test time"``) of its ``column``, a share
+    (%) of the SDPA model's score, with a dashed line at 95% labelled ``line``; ``xlabel`` under the bars."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 0.4 * len(rows) + 1.2))
+    ax.barh([r["attention at test time"] for r in rows], [r[column] for r in rows], color="tab:blue")
+    ax.axvline(95, color="tab:red", linestyle="--", label=line)
+    ax.set_xlabel(xlabel)
+    ax.invert_yaxis()
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out / "swap.png", dpi=120)
+    plt.close(fig)
+
+
+def robustness_grid(
+    layers: list[MiTAAttention], ms: Sequence[int], ks: Sequence[int], score: Callable[[], float], log: Log
+) -> torch.Tensor:
+    """``score()`` (a percentage) with every layer of ``layers`` set to each m of ``ms`` and k of ``ks``:
+    a (len(ms), len(ks)) grid, one log line per m. The layers keep the last m, k."""
+    grid = torch.zeros(len(ms), len(ks))
+    for i, m in enumerate(ms):
+        for j, k in enumerate(ks):
+            for layer in layers:
+                layer.num_landmarks, layer.topk = m, k
+            grid[i, j] = score()
+        log(f"robustness m={m}: " + ", ".join(f"k={k} {a:.1f}%" for k, a in zip(ks, grid[i].tolist())))
+    return grid
+
+
+def plot_robustness(
+    out: Path, grid: torch.Tensor, ms: Sequence[int], ks: Sequence[int], title: str, label: str
+) -> list[dict[str, Any]]:
+    """``out/robustness.png``: the ``grid`` of :func:`robustness_grid` as a heat map with its values, titled
+    ``title``, its colour bar labelled ``label``; returns its rows for a table (``m \\ k``, then ``k=...``)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(1.5 + 0.8 * len(ks), 1 + 0.6 * len(ms)))
+    im = ax.imshow(grid.numpy(), cmap="viridis", origin="lower")
+    ax.set_xticks(range(len(ks)), [str(k) for k in ks])
+    ax.set_yticks(range(len(ms)), [str(m) for m in ms])
+    ax.set(xlabel="k (keys per expert) at test time", ylabel="m (landmarks) at test time", title=title)
+    for i in range(len(ms)):
+        for j in range(len(ks)):
+            ax.text(j, i, f"{grid[i, j]:.1f}", ha="center", va="center", color="w", fontsize=7)
+    fig.colorbar(im, ax=ax, label=label)
+    fig.tight_layout()
+    fig.savefig(out / "robustness.png", dpi=120)
+    plt.close(fig)
+    return [{"m \\ k": m, **{f"k={k}": float(grid[i, j]) for j, k in enumerate(ks)}} for i, m in enumerate(ms)]
+
+
 # --- attention swap ----------------------------------------------------------------------
 
 
@@ -235,31 +286,16 @@ def run_swap(
             }
         )
         log(f"swap {config}: {100 * accuracy:.2f}%")
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 0.4 * len(rows) + 1.2))
-    ax.barh([r["attention at test time"] for r in rows], [r["retained (%)"] for r in rows], color="tab:blue")
-    ax.axvline(95, color="tab:red", linestyle="--", label="95% (the paper's MiTA claim)")
-    ax.set_xlabel("accuracy retained after the swap (% of the SDPA model's)")
-    ax.invert_yaxis()
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(out / "swap.png", dpi=120)
-    plt.close(fig)
+    xlabel = "accuracy retained after the swap (% of the SDPA model's)"
+    plot_swap(out, rows, "retained (%)", xlabel, "95% (the paper's MiTA claim)")
     title = f"Attention swap on {task.name}: trained with SDPA, evaluated with other attentions"
-    write_report(
-        out,
-        title,
-        command,
-        setup,
-        data,
-        [
-            f"SDPA model: test accuracy {100 * base:.2f}% after {summary['train_seconds']:.0f} s of training.",
-            "",
-            markdown_table(rows),
-            "![accuracy retained](swap.png)",
-        ],
-        task,
-    )
+    sections = [
+        f"SDPA model: test accuracy {100 * base:.2f}% after {summary['train_seconds']:.0f} s of training.",
+        "",
+        markdown_table(rows),
+        "![accuracy retained](swap.png)",
+    ]
+    write_report(out, title, command, setup, data, sections, task)
     return rows
 
 
@@ -286,51 +322,23 @@ def run_robustness(
     check_attentions(task, setup, grid_configs, "--m/--k give")
     data = data or task.load(setup.seed)
     model, summary = train(setup, data, out / "mita", force=force, build=task.build, name=task.name)
-    layers = mita_layers(model)
-    grid = torch.zeros(len(ms), len(ks))
-    for i, m in enumerate(ms):
-        for j, k in enumerate(ks):
-            for layer in layers:
-                layer.num_landmarks, layer.topk = m, k
-            grid[i, j] = 100 * evaluate(model, data[2], data[3])
-        log(f"robustness m={m}: " + ", ".join(f"k={k} {a:.1f}%" for k, a in zip(ks, grid[i].tolist())))
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(1 + 0.8 * len(ks), 1 + 0.6 * len(ms)))
-    im = ax.imshow(grid.numpy(), cmap="viridis", origin="lower")
-    ax.set_xticks(range(len(ks)), [str(k) for k in ks])
-    ax.set_yticks(range(len(ms)), [str(m) for m in ms])
-    ax.set_xlabel("k (keys per expert) at test time")
-    ax.set_ylabel("m (landmarks) at test time")
-    for i in range(len(ms)):
-        for j in range(len(ks)):
-            ax.text(j, i, f"{grid[i, j]:.1f}", ha="center", va="center", color="w", fontsize=7)
-    ax.set_title(f"trained with m={options.get('num_landmarks')}, k={options.get('topk')}")
-    fig.colorbar(im, ax=ax, label="test accuracy (%)")
-    fig.tight_layout()
-    fig.savefig(out / "robustness.png", dpi=120)
-    plt.close(fig)
-    rows = [{"m \\ k": str(m), **{f"k={k}": float(grid[i, j]) for j, k in enumerate(ks)}} for i, m in enumerate(ms)]
+    grid = robustness_grid(mita_layers(model), ms, ks, lambda: 100 * evaluate(model, data[2], data[3]), log)
+    title = f"trained with m={options.get('num_landmarks')}, k={options.get('topk')}"
+    rows = plot_robustness(out, grid, ms, ks, title, "test accuracy (%)")
     trained = (options.get("num_landmarks"), options.get("topk"))
     best = divmod(int(grid.argmax()), len(ks))
     title = f"Robustness on {task.name}: MiTA trained with small m, k, evaluated with larger ones"
-    write_report(
-        out,
-        title,
-        command,
-        setup,
-        data,
-        [
-            f"Trained with m={trained[0]}, k={trained[1]}: test accuracy {100 * summary['test_accuracy']:.2f}% "
-            f"after {summary['train_seconds']:.0f} s of training. Best on the grid: {grid.max():.2f}% at "
-            f"m={ms[best[0]]}, k={ks[best[1]]}.",
-            "",
-            "Test accuracy (%), rows m, columns k:",
-            "",
-            markdown_table(rows),
-            "![accuracy over m and k](robustness.png)",
-        ],
-        task,
-    )
+    sections = [
+        f"Trained with m={trained[0]}, k={trained[1]}: test accuracy {100 * summary['test_accuracy']:.2f}% "
+        f"after {summary['train_seconds']:.0f} s of training. Best on the grid: {grid.max():.2f}% at "
+        f"m={ms[best[0]]}, k={ks[best[1]]}.",
+        "",
+        "Test accuracy (%), rows m, columns k:",
+        "",
+        markdown_table(rows),
+        "![accuracy over m and k](robustness.png)",
+    ]
+    write_report(out, title, command, setup, data, sections, task)
     return {"trained": summary["test_accuracy"], "grid": grid, "ms": ms, "ks": ks}
 
 

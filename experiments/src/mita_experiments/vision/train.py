@@ -26,14 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from mita.utils.options import parse_assignments, split_items
 
 from .. import trainer
 from ..trainer import cli as trainer_cli
-from ..utils.distributed import init_distributed
+from ..trainer.cli import flag
 
 #: the recipe's flags and their defaults (``--model-args`` as a dict; ``--clip-grad 0``: no clipping)
 RECIPE: dict[str, Any] = {
@@ -60,10 +59,6 @@ RESUMABLE = ("epochs",)
 MIN_LR = 1e-5  # the floor of the cosine decay (DeiT's)
 
 
-def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
 def _json(value: Any) -> str:
     """``value`` as JSON with sorted keys: how a flag's value compares with the one a run recorded."""
     return json.dumps(value, sort_keys=True)
@@ -80,19 +75,17 @@ def _given(args: argparse.Namespace) -> dict[str, Any]:
 def _run_recipe(out: Path, given: dict[str, Any]) -> dict[str, Any] | None:
     """On ``--resume``, the recipe of the run in ``out`` (None if it holds none yet); a ValueError
     names the flags given with other values than the run's."""
-    if not (out / trainer.MANIFEST).is_file():
+    run = trainer_cli.resumed_recipe(out, RECIPE, "mita vision train")
+    if run is None:
         return None
-    run = trainer.read_manifest(out)["config"].get("recipe")
-    if not isinstance(run, dict) or set(run) != set(RECIPE):
-        raise ValueError(f"--resume: {out} holds a run that is not a 'mita vision train' run; pick its own command")
     differ = [
         key
         for key, value in given.items()
         if value is not None and key not in RESUMABLE and _json(value) != _json(run[key])
     ]
     if differ:
-        was = ", ".join(f"{_flag(k)} {_json(run[k])}" for k in differ)
-        now = ", ".join(f"{_flag(k)} {_json(given[k])}" for k in differ)
+        was = ", ".join(f"{flag(k)} {_json(run[k])}" for k in differ)
+        now = ", ".join(f"{flag(k)} {_json(given[k])}" for k in differ)
         raise ValueError(
             f"--resume: the run in {out} was trained with {was}, not {now}; leave them out to continue it "
             "(a resumed run keeps its recipe), or start a new --out"
@@ -105,12 +98,12 @@ def _check(recipe: dict[str, Any]) -> None:
     for key, low in {"img_size": 1, "epochs": 1, "batch_size": 1, "warmup_epochs": 0, "seed": 0}.items():
         value = recipe[key]
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
-            raise ValueError(f"{_flag(key)} must be a whole number >= {low}, got {value!r}")
+            raise ValueError(f"{flag(key)} must be a whole number >= {low}, got {value!r}")
 
     def number(key: str, inside: Any, what: str) -> None:
         value = recipe[key]
         if not (isinstance(value, (int, float)) and math.isfinite(value) and inside(value)):
-            raise ValueError(f"{_flag(key)} must be {what}, got {value!r}")
+            raise ValueError(f"{flag(key)} must be {what}, got {value!r}")
 
     number("lr", lambda v: v > 0, "a number > 0")
     number("weight_decay", lambda v: v >= 0, "a number >= 0")
@@ -289,7 +282,6 @@ def training(recipe: dict[str, Any], data: Path, workers: int, world: int) -> tu
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``mita vision train`` but ``--out``: the data, the recipe (:data:`RECIPE`; left out:
     its default, or on ``--resume`` the run's), the loading processes and the trainer's flags."""
-    p.add_argument("--data", required=True, help="folder with train/<class>/... and val/<class>/...")
     helps = {
         "model": "any timm model name",
         "model_args": "extra create_model options, e.g. 'num_landmarks=25,topk=25,compat=official'",
@@ -309,30 +301,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "amp": "bfloat16 autocast",
         "seed": "seed of the initialisation, the data order and every random draw",
     }
-    for key, default in RECIPE.items():
-        shown = "none" if key == "model_args" else default
-        text = f"{helps[key]} (default {shown}; on --resume the run's)"
-        if isinstance(default, bool):
-            p.add_argument(_flag(key), action="store_true", default=None, help=text)
-        else:
-            p.add_argument(_flag(key), type=str if key == "model_args" else type(default), help=text)
-    p.add_argument("--workers", type=int, default=8, help="image loading processes per process (default 8)")
-    trainer_cli.add_arguments(p)
+    trainer_cli.add_recipe_arguments(
+        p, "folder with train/<class>/... and val/<class>/...", RECIPE, helps, workers=8, shown={"model_args": "none"}
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Train (or ``--resume``, or ``--force`` start over) the run in ``--out``; its summary, also
     printed by rank 0 and written to ``OUT/summary.json``."""
-    made = recipe(args)
-    if args.workers < 0:
-        raise ValueError(f"--workers must be >= 0, got {args.workers}")
-    ctx = init_distributed(args.device)
-    try:
-        task, config = training(made, Path(args.data), args.workers, ctx.world)
-        summary = trainer.train(task, config, args.out, ctx=ctx, **trainer_cli.options(args))
-    finally:
-        if ctx.distributed:
-            dist.destroy_process_group()
-    if ctx.main:
-        print(json.dumps(summary, indent=2))
-    return summary
+    return trainer_cli.run_recipe(args, recipe(args), training)
