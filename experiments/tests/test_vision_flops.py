@@ -59,10 +59,11 @@ def test_markdown_table():
 def test_flops_command_writes_and_refuses_to_overwrite(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(flops, "TABLE_BACKBONES", [TINY, flops.Backbone("tiny512", 32, 1, 2, 128, 4, num_classes=0)])
     monkeypatch.setattr(flops, "length_sweep", lambda: [flops.backbone_row(TINY, counted=False)])
+    monkeypatch.setattr(flops, "vit5_rows", lambda: [{"model": "vit5 stand-in", "N": 1}])
     out = tmp_path / "flops"
     assert main(["vision", "flops", "--out", str(out), "--no-counted"]) == 0
     text = (out / "report.md").read_text()
-    assert "up to 42%" in text and "tiny512" in text
+    assert "up to 42%" in text and "tiny512" in text and "MiTA-ViT-5-S" in text and "vit5 stand-in" in text
     assert (out / "flops_vs_length.png").stat().st_size > 0
     assert main(["vision", "flops", "--out", str(out)]) == 2
     assert "--force" in capsys.readouterr().err

@@ -13,8 +13,9 @@ import numbers
 
 import torch
 
-from .checks import AttentionArgs, check_attention, require
-from .tiling import zero_padded, zero_padding
+from .checks import AttentionArgs, require
+from .common import checked_inputs
+from .tiling import zero_padded
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -36,19 +37,11 @@ def check_linear(
 
     ``dropout_p`` must be 0: there are no attention probabilities to drop.
     """
-    cfg = check_attention(
-        q,
-        k,
-        v,
-        key_padding_mask=key_padding_mask,
-        query_padding_mask=query_padding_mask,
-        dropout_p=dropout_p,
-        scale=scale,
-    )
+    cfg, q, k, v = checked_inputs(q, k, v, key_padding_mask, query_padding_mask, dropout_p, scale)
     if dropout_p:
         raise ValueError(f"{name} has no attention matrix to drop out; use dropout_p=0, got {dropout_p!r}")
     acc = accumulation_dtype(q.dtype)
-    return cfg, *(t.to(acc) for t in zero_padding(q, k, v, cfg))
+    return cfg, q.to(acc), k.to(acc), v.to(acc)
 
 
 def check_positive(name: str, value: object) -> float:

@@ -78,6 +78,7 @@ def cmd_flops(args: argparse.Namespace) -> int:
 
     rows = [flops.backbone_row(b, counted=not args.no_counted) for b in flops.TABLE_BACKBONES]
     sweep = flops.length_sweep()
+    vit5 = flops.vit5_rows()
     at512 = {r["model"]: r["reduction (%)"] for r in rows if r["N"] == 1025}
     claim = ", ".join(f"{name} {value:.1f}%" for name, value in at512.items())
     text = "\n".join(
@@ -90,6 +91,10 @@ def cmd_flops(args: argparse.Namespace) -> int:
             "## FLOPs against sequence length (ViT-S backbone, m = k = 49)",
             "",
             flops.markdown_table(sweep),
+            "",
+            "## ViT-5-S (CLS, patches, 4 registers at the end; RoPE) against MiTA-ViT-5-S (m = 25, k = 30)",
+            "",
+            flops.markdown_table(vit5),
         ]
     )
     print(text)
