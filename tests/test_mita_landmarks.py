@@ -20,6 +20,10 @@ def test_duplicate_groups_by_hand():
     assert copies[0, 0].tolist() == [3, 1, 3, 3, 1, 1] and first[0, 0].tolist() == [1, 1, 0, 0, 0, 0]
     x[0, 0, 3, 1] = 2.01  # beyond the tolerance: its own group
     assert duplicate_groups(x)[0][0, 0].tolist() == [2, 2, 2, 1, 1, 2]
+    # near-equal vectors may sort in either order: the group's first is still its lowest index
+    near = torch.tensor([[1.0, 2.0 - 1e-6], [1.0, 2.0], [0.0, 5.0]])[None, None]
+    copies, first = duplicate_groups(near)
+    assert copies[0, 0].tolist() == [2, 2, 1] and first[0, 0].tolist() == [True, False, True]
 
 
 def test_duplicate_groups_random_sizes_and_nan_padding():

@@ -79,7 +79,8 @@ def test_layer_options_are_what_the_layers_take():
     assert options["sdpa"] == ["scale"]
     assert options["moba"] == ["block_size", "causal", "chunk_size", "scale", "topk"]
     assert options["nystrom"] == ["num_landmarks", "pinv_iterations", "scale"]
-    mita = ["branches", "compat", "grid", "impl", "num_landmarks", "num_prefix_tokens", "num_routed"]
+    mita = ["branches", "compat", "grid", "impl", "landmark_pooling", "merge_duplicates", "num_landmarks"]
+    mita += ["num_prefix_tokens", "num_routed"]
     assert options["mita"] == options["mita_routed"] == [*mita, "num_suffix_tokens", "topk"]
     agent = ["agent_bias", "dwc", "grid", "num_agents", "num_prefix_tokens", "num_suffix_tokens", "seq_len"]
     assert options["agent"] == agent

@@ -1,5 +1,5 @@
 """Routing diagnostics (recall/diagnostics.py) on hand-built routings whose values are known, and
-the study's MiTA options (recall/routing.py) against the spec's operator."""
+the study's experiment-only MiTA options (recall/routing.py) against the library's layer."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import torch.nn.functional as F
 
 from mita.layers.mita import MiTAAttention
 from mita.ops.mita import MiTARouting, mita_attention
-from mita.ops.mita.landmarks import duplicate_groups
-from mita.ops.pooling import check_pooling, pool
+from mita.ops.mita.landmarks import duplicate_groups, key_offsets
 from mita_experiments.recall import diagnostics as diag
 from mita_experiments.recall import routing, task
 
@@ -96,6 +95,39 @@ def test_target_mass_matches_the_operator():
     torch.testing.assert_close(res["recall"], found.float().sum(-1))
 
 
+def test_target_mass_matches_the_merged_operator():
+    """Merged duplicates: with values one-hot per group of equal (key, value) pairs, the routed-only
+    operator's output at the target's group is the target's mass (all its copies)."""
+    torch.manual_seed(0)
+    N, G = 24, 8
+    group = torch.randint(0, G, (2, 1, N)).expand(2, 2, N)
+    q = torch.randn(2, 2, N, G)
+    k = torch.randn(2, 2, G, G).gather(2, group[..., None].expand(-1, -1, -1, G))
+    v = torch.eye(G)[group]
+    out, r = mita_attention(
+        q,
+        k,
+        v,
+        num_landmarks=3,
+        topk=4,
+        branches="routed",
+        merge_duplicates=True,
+        impl="reference",
+        return_routing=True,
+    )
+    experts = r.experts
+    bonus = key_offsets(k, v).gather(2, experts.flatten(2)).view(experts.shape)
+    first = torch.stack(
+        [torch.stack([(group[b, 0] == group[b, 0, j]).nonzero()[0, 0] for j in range(N)]) for b in (0, 1)]
+    )
+    targets = first.clone()
+    targets[:, ::3] = -1
+    res = diag.routing_metrics(diag.Capture(q, k, None, r, bonus, G**-0.5, G**-0.5, "routed"), targets)
+    has = targets >= 0
+    at_target = out.gather(3, group[:, :1].gather(2, targets.clamp_min(0)[:, None])[..., None].expand(2, 2, N, 1))
+    torch.testing.assert_close(res["target_mass"], (at_target[..., 0] * has[:, None]).sum(-1))
+
+
 def _model(attention, depth=2):
     cfg = task.config(overrides=["data.seq_len=32", "data.num_pairs=4", "data.vocab_size=16", "data.diagnostics=True"])
     cfg["model"]["depth"] = depth
@@ -143,25 +175,6 @@ def test_task_scores_diagnostics_in_eval_only():
         task.config(overrides=["data.diagnostics=3"])
 
 
-def test_merged_experts_equal_the_spec_over_all_copies():
-    """An expert holding every distinct key with log(copies) offsets is the spec's expert holding every key."""
-    torch.manual_seed(1)
-    B, H, N, D = 2, 2, 12, 8
-    q, k, v = torch.randn(B, H, N, D), torch.randn(B, H, N, D), torch.randn(B, H, N, D)
-    k[:, :, 6:] = k[:, :, 5:6]  # keys 5..11 are one key (seven copies)
-    v[:, :, 6:] = v[:, :, 5:6]
-    landmarks = pool(q, check_pooling(3, None, 0, N))
-    for branches in ("both", "routed"):
-        out, r, bonus = routing.merged_mita(q, k, v, landmarks, 6, 1, None, branches)
-        want = mita_attention(q, k, v, num_landmarks=3, topk=N, branches=branches, impl="reference")
-        torch.testing.assert_close(out, want)
-        assert r.experts.shape == (B, H, 3, 6) and torch.allclose(bonus.exp().sum(-1), torch.full((B, H, 3), 12.0))
-    # all keys distinct: merging changes nothing
-    k, v = torch.randn(B, H, N, D), torch.randn(B, H, N, D)
-    out, _, _ = routing.merged_mita(q, k, v, landmarks, 4, 2)
-    torch.testing.assert_close(out, mita_attention(q, k, v, num_landmarks=3, topk=4, num_routed=2, impl="reference"))
-
-
 def test_recall_layer_defaults_are_the_spec_and_dense_share_is_training_only():
     torch.manual_seed(0)
     x = torch.randn(2, 16, 32)
@@ -189,13 +202,34 @@ def test_recall_layer_defaults_are_the_spec_and_dense_share_is_training_only():
     assert (copies == 1).all()
 
 
+def test_recall_layer_is_the_library_layer_with_the_fix():
+    """``mita_recall`` with the fix's options (the runs' name) is the library's ``mita`` with them."""
+    torch.manual_seed(0)
+    opts = dict(num_landmarks=4, topk=4, landmark_pooling="distinct", merge_duplicates=True)
+    lib = MiTAAttention(32, 2, **opts).double().eval()
+    rec = routing.RecallMiTAAttention(32, 2, **opts).double().eval()
+    rec.load_state_dict(lib.state_dict())
+    tok = torch.randn(2, 3, 32, dtype=torch.float64)
+    x = tok.gather(1, torch.randint(0, 3, (2, 24, 1)).expand(-1, -1, 32)).requires_grad_()
+    assert torch.equal(rec(x), lib(x))
+    _, model = _model("mita_recall:num_landmarks=4,topk=4,landmark_pooling=distinct,merge_duplicates=True")
+    layer = model.encoder.blocks[0].attn
+    assert (layer.landmark_pooling, layer.merge_duplicates, layer.rope, layer.dense_steps) == (
+        "distinct",
+        True,
+        False,
+        0,
+    )
+
+
 @pytest.mark.parametrize(
     "kwargs,err,match",
     [
         (dict(landmark_pooling="kmeans"), ValueError, "landmark_pooling"),
         (dict(merge_duplicates=1), TypeError, "merge_duplicates"),
         (dict(dense_steps=-1), ValueError, "dense_steps"),
-        (dict(grid="auto"), ValueError, "1-D only"),
+        (dict(rope=1), TypeError, "rope"),
+        (dict(rope=True, grid="auto"), ValueError, "1-D positions"),
     ],
 )
 def test_recall_layer_errors(kwargs, err, match):
@@ -237,26 +271,6 @@ def test_training_logs_the_diagnostics_and_eval_measures_them(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert set(result["diagnostics"]) == set(diag.metric_names(2, 2)) and 0 <= result["accuracy"] <= 1
     assert main([*argv[:-2], "--attention", "sdpa", "--diagnostics"]) == 2  # no MiTA layer: a clear error
-
-
-def test_merged_experts_rank_distinct_keys_by_shared_mass():
-    D = 4
-    k = torch.tensor([[2.1, 0, 0, 0], [2.0, 0, 0, 0], [2.0, 0, 0, 0], [2.0, 0, 0, 0], [-1.0, 0, 0, 0]])[None, None]
-    v = torch.randn(1, 1, 5, D)
-    q = torch.tensor([[1.0, 0, 0, 0]]).expand(1, 1, 5, D).contiguous()
-    landmarks = torch.tensor([[[[1.0, 0, 0, 0]]]])
-    _, r, _ = routing.merged_mita(q, k, v, landmarks, 1, impl="reference")
-    assert r.experts.flatten().tolist() == [0]  # equal keys with other values are not merged
-    v[:, :, 2:4] = v[:, :, 1:2]
-    out, r, bonus = routing.merged_mita(q, k, v, landmarks, 1, impl="reference")
-    # mass: key 0 e^(2.1 s0), the group of keys 1-3: 3 e^(2.0 s0); the group wins and is held once
-    assert r.experts.flatten().tolist() == [1] and bonus.flatten().tolist() == pytest.approx([math.log(3)])
-    s0 = D**-0.5
-    logits = torch.tensor([s0 * 1.0, s0 * 2.0 + math.log(3)])  # [landmark ; the merged key]
-    a = torch.softmax(s0 * k[0, 0, :, 0], 0)
-    p = torch.softmax(logits, 0)
-    want = p[0] * (a @ v[0, 0]) + p[1] * v[0, 0, 1]
-    torch.testing.assert_close(out[0, 0], want.expand(5, D))
 
 
 def test_mita_recall_is_registered_only_where_the_task_builds():

@@ -11,7 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops.checks import check_int
-from ..ops.mita import IMPLEMENTATIONS, MiTARouting, mita_attention, official_landmarks
+from ..ops.mita import IMPLEMENTATIONS, MERGING, MiTARouting, mita_attention, official_landmarks
+from ..ops.mita.config import check_repeat_options
 from .base import (
     AttentionLayer,
     GridOption,
@@ -47,6 +48,12 @@ class MiTAAttention(AttentionLayer):
             their ViT-5's (the tokens between prefix and suffix pooled on a square); both scale the
             landmark logits by 1/D. Default: None.
         branches (str): "both", or the ablations "shared" / "routed". Default: "both".
+        landmark_pooling (str): "mean" (the spec's) or "distinct": each query weighted by 1 / its
+            copies in the sequence, so repeated tokens (filler, padding, uniform regions) count once
+            in the landmarks (issue 31, ``docs/recall.md``). Default: "mean".
+        merge_duplicates (bool): each group of equal (key, value) pairs is one key of weight c (its
+            copies): experts hold distinct keys and a kept key's logit is raised by log c. Any impl
+            but "triton" ("auto" takes the grouped path on CUDA). Default: False.
         impl (str): "auto", "fused", "triton", "grouped" or "reference" (see :func:`mita.mita_attention`).
             Default: "auto".
         *args (Any): :class:`~mita.layers.AttentionLayer`'s positional arguments after ``num_heads``.
@@ -67,6 +74,8 @@ class MiTAAttention(AttentionLayer):
         num_suffix_tokens: int = 0,
         compat: Literal["official"] | None = None,
         branches: Literal["both", "shared", "routed"] = "both",
+        landmark_pooling: Literal["mean", "distinct"] = "mean",
+        merge_duplicates: bool = False,
         impl: str = "auto",
         **kwargs: Any,
     ) -> None:
@@ -79,6 +88,15 @@ class MiTAAttention(AttentionLayer):
             raise ValueError(f"impl must be one of {['auto', *IMPLEMENTATIONS]}, got {impl!r}")
         if branches not in ("both", "shared", "routed"):
             raise ValueError(f"branches must be 'both', 'shared' or 'routed', got {branches!r}")
+        check_repeat_options(landmark_pooling, merge_duplicates)
+        if compat is not None and (landmark_pooling != "mean" or merge_duplicates):
+            raise ValueError(
+                "compat='official' reproduces the authors' operator: leave landmark_pooling='mean' and "
+                "merge_duplicates=False, or pass compat=None"
+            )
+        if merge_duplicates and impl not in ("auto", *MERGING):
+            raise ValueError(f"merge_duplicates=True runs on impl 'auto' or one of {list(MERGING)}, got impl={impl!r}")
+        self.landmark_pooling, self.merge_duplicates = landmark_pooling, merge_duplicates
         self.grid, self.compat, self.impl = check_grid_option(grid), compat, impl
         if compat == "official" and self.grid is None:  # the authors pool on a square of patches
             self.grid = "auto"
@@ -122,7 +140,8 @@ class MiTAAttention(AttentionLayer):
         return (
             f"num_landmarks={self.num_landmarks}, topk={self.topk}, num_routed={self.num_routed}, "
             f"grid={self.grid}, num_prefix_tokens={self.num_prefix_tokens}, "
-            f"num_suffix_tokens={self.num_suffix_tokens}, compat={self.compat}"
+            f"num_suffix_tokens={self.num_suffix_tokens}, compat={self.compat}, "
+            f"landmark_pooling={self.landmark_pooling}, merge_duplicates={self.merge_duplicates}"
         )
 
     def resolve_grid(self, n: int) -> tuple[int, ...] | None:
@@ -138,6 +157,8 @@ class MiTAAttention(AttentionLayer):
             query_padding_mask=key_padding_mask,  # self-attention: the queries are the keys
             dropout_p=self.dropout_p,
             branches=self.branches,
+            landmark_pooling=self.landmark_pooling,
+            merge_duplicates=self.merge_duplicates,
             impl=self.impl,
         )
         if self.compat == "official":  # the authors' landmark logits: q . q~ / D

@@ -26,10 +26,9 @@ import torch
 
 from mita.layers.mita import MiTAAttention
 from mita.ops.mita import MiTARouting
+from mita.ops.mita.landmarks import DUP_TOL, key_offsets
 
 METRICS = ("recall", "target_mass", "landmark_mass", "dup_share", "lm_cosine", "experts_used")
-#: relative distance under which two key vectors count as the same key
-DUP_TOL = 1e-5
 
 
 @dataclass
@@ -174,19 +173,31 @@ class RoutingProbe(contextlib.AbstractContextManager):
             layer.record_routing = record
         self._saved.clear()
 
+    @staticmethod
+    def _bonus(
+        layer: MiTAAttention, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Each expert slot's logit offset (B, H, m, k) of a layer with ``merge_duplicates``, else None."""
+        if not layer.merge_duplicates:
+            return None
+        experts = layer.routing.experts
+        offset = key_offsets(k, v, mask).repeat_interleave(experts.shape[1] // k.shape[1], dim=1)
+        return offset.float().gather(2, experts.flatten(2)).view(experts.shape)
+
     def _wrap(self, layer: MiTAAttention):
         attend = type(layer).attend.__get__(layer)
 
         def wrapped(q, k, v, key_padding_mask, is_causal):
             out = attend(q, k, v, key_padding_mask, is_causal)
             s0 = layer.head_dim**-0.5
+            q_att, k_att = (t.detach() for t in getattr(layer, "attended_qk", (q, k)))
             self.captures.append(
                 Capture(
-                    q=getattr(layer, "attended_qk", (q, k))[0].detach(),
-                    k=getattr(layer, "attended_qk", (q, k))[1].detach(),
+                    q=q_att,
+                    k=k_att,
                     mask=key_padding_mask,
                     routing=layer.routing,
-                    bonus=getattr(layer, "expert_bonus", None),
+                    bonus=self._bonus(layer, k_att, v.detach(), key_padding_mask),
                     scale=s0,
                     landmark_scale=layer.head_dim**-1.0 if layer.compat == "official" else s0,
                     branches=layer.branches,

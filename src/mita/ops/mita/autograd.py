@@ -38,14 +38,15 @@ class SoftmaxLSE(torch.autograd.Function):
 class TileAttention(torch.autograd.Function):
     """Softmax attention of each tile of T query rows over its expert's keys.
 
-    q (tiles, T, D), k and v (tiles, kk, D), ``real`` (tiles, kk) bool or None. Returns
+    q (tiles, T, D), k and v (tiles, kk, D), ``real`` (tiles, kk) bool or None, ``bias`` (tiles, kk)
+    a constant added to the scaled scores (merged duplicates' log(copies)) or None. Returns
     the output (tiles, T, D) and the log-sum-exp of the scaled scores (tiles, T). The
     backward recomputes the scores instead of saving them.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, real, scale: float, dropout_p: float, acc: torch.dtype):
-        scores = TileAttention._scores(q, k, real, scale, acc)
+    def forward(ctx, q, k, v, real, bias, scale: float, dropout_p: float, acc: torch.dtype):
+        scores = TileAttention._scores(q, k, real, bias, scale, acc)
         p = torch.softmax(scores, -1)
         lse = _lse(scores, p)
         keep = None
@@ -53,21 +54,23 @@ class TileAttention(torch.autograd.Function):
             keep = torch.rand_like(p) >= dropout_p
             p = p * keep / (1 - dropout_p)
         out = torch.bmm(p.to(v.dtype), v)
-        ctx.save_for_backward(q, k, v, real, out, lse, keep)
+        ctx.save_for_backward(q, k, v, real, bias, out, lse, keep)
         ctx.scale, ctx.dropout_p, ctx.acc = scale, dropout_p, acc
         return out, lse
 
     @staticmethod
-    def _scores(q, k, real, scale, acc):
+    def _scores(q, k, real, bias, scale, acc):
         s = torch.baddbmm(q.new_empty(()), q, k.transpose(1, 2), beta=0, alpha=scale).to(acc)
+        if bias is not None:
+            s = s + bias.unsqueeze(1)
         return s if real is None else s.masked_fill(~real.unsqueeze(1), float("-inf"))
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, real, out, lse, keep = ctx.saved_tensors
+        q, k, v, real, bias, out, lse, keep = ctx.saved_tensors
         # A probability is at most 1: the clamp keeps it so where rounding puts a score above the lse
         # (by up to half an ulp of it, which overflows exp once the logits pass 2**31 in float32).
-        p = torch.exp((TileAttention._scores(q, k, real, ctx.scale, ctx.acc) - lse.unsqueeze(-1)).clamp(max=0))
+        p = torch.exp((TileAttention._scores(q, k, real, bias, ctx.scale, ctx.acc) - lse.unsqueeze(-1)).clamp(max=0))
         dout = torch.zeros_like(out) if dout is None else dout
         dp = torch.bmm(dout, v.transpose(1, 2)).to(p.dtype)  # gradient w.r.t. the (dropped) probabilities
         p_used = p if keep is None else p * keep / (1 - ctx.dropout_p)
@@ -81,4 +84,4 @@ class TileAttention(torch.autograd.Function):
         ds = (p * (dp - delta.unsqueeze(-1))).to(q.dtype)
         dq = torch.baddbmm(q.new_empty(()), ds, k, beta=0, alpha=ctx.scale)
         dk = torch.baddbmm(k.new_empty(()), ds.transpose(1, 2), q, beta=0, alpha=ctx.scale)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None

@@ -1,7 +1,8 @@
 """Argument checking for :func:`mita.mita_attention`, shared by every implementation.
 
-MiTA's own checks (m, k, s, the pooling grid, given landmarks, the landmark scale) on top
-of the base check every op shares (:func:`mita.ops.checks.check_attention`).
+MiTA's own checks (m, k, s, the pooling grid, given landmarks, the landmark scale, the options
+against repeated tokens) on top of the base check every op shares
+(:func:`mita.ops.checks.check_attention`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import torch
 
 from ..checks import AttentionArgs, check_attention, check_int, check_scale, host_readable, require
 from ..pooling import Pooling, check_pooling
+from .landmarks import key_offsets
+
+LANDMARK_POOLINGS = ("mean", "distinct")
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,11 @@ class MiTAConfig(AttentionArgs):
     landmark_scale: float
     short_keys: bool  # some sequence has fewer real keys than topk: experts hold padded slots
     branches: str = "both"  # "both", or an ablation: "shared" (shared expert only), "routed" (no shared expert)
+    landmark_pooling: str = "mean"  # "mean" (the spec's) or "distinct" (each distinct query counted once)
+    # merge_duplicates: the (B, Hkv, Nk) logit offset of each key (float64 for float64 keys, else float32):
+    # log(copies) on the first of each group of equal (key, value) pairs, -inf on its other copies and
+    # on padded keys; None: off
+    key_offset: torch.Tensor | None = None
 
     @property
     def use_shared(self) -> bool:
@@ -51,6 +60,15 @@ class MiTAConfig(AttentionArgs):
         return self.pooling.num_suffix_tokens
 
 
+def check_repeat_options(landmark_pooling: object, merge_duplicates: object) -> None:
+    """Check the options against repeated tokens: ``landmark_pooling`` and ``merge_duplicates``."""
+    if landmark_pooling not in LANDMARK_POOLINGS:
+        raise ValueError(f"landmark_pooling must be one of {list(LANDMARK_POOLINGS)}, got {landmark_pooling!r}")
+    if not isinstance(merge_duplicates, bool):
+        kind = type(merge_duplicates).__name__
+        raise TypeError(f"merge_duplicates must be True or False, got {kind} {merge_duplicates!r}")
+
+
 def check(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -69,6 +87,8 @@ def check(
     landmarks: torch.Tensor | None = None,
     branches: str = "both",
     dropout_p: float = 0.0,
+    landmark_pooling: str = "mean",
+    merge_duplicates: bool = False,
 ) -> MiTAConfig:
     """Validate the arguments of ``mita_attention`` and resolve defaults."""
     base = check_attention(
@@ -81,6 +101,12 @@ def check(
         scale=scale,
     )
     B, H, Nq, D = q.shape
+    check_repeat_options(landmark_pooling, merge_duplicates)
+    if landmark_pooling != "mean" and landmarks is not None:
+        raise ValueError(
+            f"landmark_pooling={landmark_pooling!r} pools the landmarks, so landmarks= cannot be given too; "
+            "pass one of them"
+        )
     pooling = check_pooling(num_landmarks, grid, num_prefix_tokens, Nq, num_suffix_tokens=num_suffix_tokens)
     if landmarks is not None:
         if not isinstance(landmarks, torch.Tensor) or landmarks.dim() != 4:
@@ -116,6 +142,9 @@ def check(
             n_real, n_real_min = int(counts.max()), int(counts.min())
         else:  # no host sync: k clamped to Nk, every padded slot masked (same output, wider experts)
             n_real_min = 0
+    offset = key_offsets(k, v, base.key_mask) if merge_duplicates else None
+    if offset is not None and host_readable(offset):  # experts hold distinct keys: k clamped to their count
+        n_real = int(torch.isfinite(offset).sum(-1).max())
     return MiTAConfig(
         scale=base.scale,
         key_mask=base.key_mask,
@@ -127,4 +156,6 @@ def check(
         landmark_scale=base.scale if ls is None else ls,
         short_keys=base.key_mask is not None and min(topk, n_real) > n_real_min,
         branches=branches,
+        landmark_pooling=landmark_pooling,
+        key_offset=offset,
     )

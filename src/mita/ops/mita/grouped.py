@@ -43,6 +43,8 @@ def mita_attention_grouped(
     A = landmarks.reshape(B, Hkv, G * m, D) @ k.transpose(-1, -2)
     if cfg.key_mask is not None:
         A = A.masked_fill(~cfg.key_mask[:, None, None, :], float("-inf"))
+    if cfg.key_offset is not None:  # merged duplicates: a group's first key + log(copies) / s0, the others -inf
+        A = A + cfg.key_offset[:, :, None, :].to(A.dtype) / cfg.scale
     v_shared = (torch.softmax(cfg.scale * A.to(acc), dim=-1).to(q.dtype) @ v).view(B, H, m, D)
     experts = topk_indices(A, kk).view(B, H, m, kk)
 
@@ -78,10 +80,13 @@ def mita_attention_grouped(
     k_t = k.reshape(-1, D).index_select(0, key_row).view(n_tiles, kk, D)
     v_t = v.reshape(-1, D).index_select(0, key_row).view(n_tiles, kk, D)
 
-    real = None
+    real = bias = None
     if cfg.short_keys:  # clamped k: slots past a short sequence's real keys
         real = cfg.key_mask.reshape(-1)[(key_row // (Hkv * Nk)) * Nk + key_row % Nk].view(n_tiles, kk)
-    out_t, lse_t = TileAttention.apply(q_t, k_t, v_t, real, cfg.scale, dropout_p, acc)  # (tiles, T, D), (tiles, T)
+    if cfg.key_offset is not None:  # merged duplicates: each slot's log(copies), -inf past the distinct keys
+        bias = cfg.key_offset.reshape(-1).index_select(0, key_row).view(n_tiles, kk).to(acc)
+    # (tiles, T, D), (tiles, T)
+    out_t, lse_t = TileAttention.apply(q_t, k_t, v_t, real, bias, cfg.scale, dropout_p, acc)
     out_r = out_t.view(-1, D).index_select(0, slot).view(B, H, Nq, s, D)
     lse_r = lse_t.view(-1).index_select(0, slot).view(B, H, Nq, s)
     if not cfg.use_shared:

@@ -1,25 +1,33 @@
-"""Landmarks by content: MiTA's pooling with each distinct query vector counted once.
+"""MiTA's two options against repeated tokens (issue 31, ``docs/recall.md``): landmarks by content
+and merged duplicate keys.
 
 The spec pools the queries of each bin with equal weights (spec section 2, step 1), so a token
 repeated across a bin (filler, padding, a uniform image region) makes the bin's landmark its
 copy, whatever the few other tokens hold: the landmarks become near one vector, their experts
-alike, and routing carries no information (issue 31; ``docs/recall.md``). Here each query is
+alike, and routing carries no information. With ``landmark_pooling="distinct"`` each query is
 weighted by 1 / (its copies in the sequence): a bin's landmark is the mean of its *distinct*
-queries, and a bin of one repeated token alone still pools to that token.
+queries, and a bin of one repeated token alone still pools to that token (:func:`distinct_pool`).
 
-Give the result to :func:`mita.mita_attention` as ``landmarks=``: every implementation
-takes it, and the operator is otherwise the spec's. Equal vectors (within a relative
-:data:`DUP_TOL`) are found in O(N log N) per head (:func:`duplicate_groups`), never with an
-N x N matrix; the weights are constants (no gradient), the pooled queries carry it.
+With ``merge_duplicates=True`` each group of equal (key, value) pairs is one key of weight c (its
+copies): :func:`key_offsets` gives its lowest-index member the logit offset log c and the other
+copies -inf, so the shared expert is the spec's over every copy, each expert holds the top-k
+*distinct* keys by that mass (not k copies of one), and a kept key's softmax weight is that of
+all its copies.
+
+Equal vectors (within a relative :data:`DUP_TOL`) are found in O(N log N) per head
+(:func:`duplicate_groups`), never with an N x N matrix; the weights and offsets are constants (no
+gradient): the pooled queries and the groups' first keys and values carry it.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ..pooling import check_pooling, pool
+from ..pooling import Pooling, check_pooling, pool
 
-__all__ = ["DUP_TOL", "distinct_landmarks", "duplicate_groups"]
+__all__ = ["DUP_TOL", "distinct_landmarks", "distinct_pool", "duplicate_groups", "key_offsets"]
 
 #: relative distance under which two vectors count as one
 DUP_TOL = 1e-5
@@ -30,8 +38,7 @@ def duplicate_groups(x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple
     """Groups of equal vectors along the token axis of x (B, H, N, D).
 
     Vectors are sorted by a fixed projection (equal vectors project equally, so they are
-    adjacent, lowest index first) and neighbours closer than :data:`DUP_TOL` times the larger
-    norm are one group.
+    adjacent) and neighbours closer than :data:`DUP_TOL` times the larger norm are one group.
 
     Args:
         x (torch.Tensor): (B, H, N, D) vectors.
@@ -60,8 +67,39 @@ def duplicate_groups(x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple
     group = (~same).long().cumsum(-1) - 1
     size = torch.zeros(B, H, N, device=x.device).scatter_add(2, group, rs.float())
     copies = torch.empty(B, H, N, device=x.device).scatter(2, order, torch.where(rs, size.gather(2, group), 1.0))
-    first = torch.empty_like(rs).scatter(2, order, ~same & rs)
+    # the lowest index of each group (near-equal vectors may sort in either order)
+    lowest = torch.full((B, H, N), N, dtype=order.dtype, device=x.device).scatter_reduce(2, group, order, "amin")
+    first = torch.empty_like(rs).scatter(2, order, (lowest.gather(2, group) == order) & rs)
     return copies, first
+
+
+@torch.no_grad()
+def key_offsets(k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The logit offset of every key when equal (key, value) pairs are merged (``merge_duplicates``).
+
+    Args:
+        k (torch.Tensor): (B, Hkv, Nk, D) keys.
+        v (torch.Tensor): (B, Hkv, Nk, D) values.
+        key_padding_mask (torch.Tensor | None): (B, Nk) bool, True = real key. Default: all real.
+
+    Returns:
+        (B, Hkv, Nk), float64 for float64 keys, else float32: log(copies) on the lowest-index member
+        of each group of equal (key, value) pairs, -inf on its other copies and on padded keys.
+    """
+    copies, first = duplicate_groups(torch.cat([k, v], -1), key_padding_mask)
+    acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+    return copies.to(acc).log().masked_fill(~first, -math.inf)
+
+
+def distinct_pool(q: torch.Tensor, pooling: Pooling, query_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`distinct_landmarks` for checked pooling arguments (a :class:`~mita.ops.pooling.Pooling`)."""
+    if query_padding_mask is not None:  # padded queries may hold anything (NaN): they reach no product
+        q = q.masked_fill(~query_padding_mask[:, None, :, None], 0)
+    copies, _ = duplicate_groups(q.detach(), query_padding_mask)
+    acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    weight = (1.0 / copies).to(acc)[..., None]
+    pooled = pool(q.to(acc) * weight, pooling, query_padding_mask) / pool(weight, pooling, query_padding_mask)
+    return pooled.to(q.dtype)
 
 
 def distinct_landmarks(
@@ -74,12 +112,18 @@ def distinct_landmarks(
     query_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MiTA's landmarks with each distinct query counted once: per bin, the mean of its queries
-    weighted by 1 / (copies of that query in the sequence).
+    weighted by 1 / (copies of that query in the sequence) (``landmark_pooling="distinct"``).
 
     The bins are the spec's (1-D, 2-D or 3-D, prefix and suffix tokens not pooled, padded queries
-    out), so with no repeated query this is the spec's pooling. Args as :func:`mita.mita_attention`:
-    q (B, H, N, D); num_landmarks m (an int, or a grid's bins); grid, num_prefix_tokens,
-    num_suffix_tokens; query_padding_mask (B, N) bool, True = real query. Default: 1-D, none.
+    out), so with no repeated query this is the spec's pooling.
+
+    Args:
+        q (torch.Tensor): (B, H, N, D) queries.
+        num_landmarks (int | tuple): m, as in :func:`mita.mita_attention`.
+        grid (tuple | None): None (1-D), (gh, gw) or (gt, gh, gw). Default: None.
+        num_prefix_tokens (int): leading tokens not pooled. Default: 0.
+        num_suffix_tokens (int): trailing tokens not pooled. Default: 0.
+        query_padding_mask (torch.Tensor | None): (B, N) bool, True = real query. Default: None.
 
     Returns:
         (B, H, m, D) landmarks in q's dtype, for ``mita_attention(..., landmarks=...)``.
@@ -87,7 +131,4 @@ def distinct_landmarks(
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q must be a (B, H, N, D) tensor, got {getattr(q, 'shape', type(q).__name__)}")
     pooling = check_pooling(num_landmarks, grid, num_prefix_tokens, q.shape[2], num_suffix_tokens=num_suffix_tokens)
-    copies, _ = duplicate_groups(q.detach(), query_padding_mask)
-    weight = (1.0 / copies)[..., None]
-    pooled = pool(q.float() * weight, pooling, query_padding_mask) / pool(weight, pooling, query_padding_mask)
-    return pooled.to(q.dtype)
+    return distinct_pool(q, pooling, query_padding_mask)

@@ -29,8 +29,9 @@ def mita_attention_reference(
     if dtype in (torch.float16, torch.bfloat16):  # half precision is computed in float32
         q, k, v = q.float(), k.float(), v.float()
         landmarks = None if landmarks is None else landmarks.float()
-    k = k.repeat_interleave(H // k.shape[1], dim=1)  # grouped-query heads share kv heads
-    v = v.repeat_interleave(H // v.shape[1], dim=1)
+    G = H // k.shape[1]
+    k = k.repeat_interleave(G, dim=1)  # grouped-query heads share kv heads
+    v = v.repeat_interleave(G, dim=1)
     q, k, v = zero_padding(q, k, v, cfg)  # padded tokens take no part anywhere
 
     # 1. Landmarks Q~ (B, H, m, D).
@@ -41,6 +42,12 @@ def mita_attention_reference(
     A = landmarks @ k.transpose(-1, -2)
     if cfg.key_mask is not None:
         A = A.masked_fill(~cfg.key_mask[:, None, None, :], float("-inf"))
+    # merge_duplicates: each group of equal keys is its first key with the logit offset log(copies)
+    # (-inf on the other copies), so s0 A is the log of the group's mass in the shared expert.
+    offset = None
+    if cfg.key_offset is not None:
+        offset = cfg.key_offset.repeat_interleave(G, dim=1).to(A.dtype)  # (B, H, Nk)
+        A = A + offset[:, :, None, :] / cfg.scale
 
     # 3. Shared expert: values V~ = softmax(s0 A) V; its keys are the landmarks.
     v_shared = torch.softmax(cfg.scale * A, dim=-1) @ v
@@ -64,6 +71,8 @@ def mita_attention_reference(
     if cfg.key_mask is not None:  # clamped k: slots past a short sequence's real keys
         real = torch.gather(cfg.key_mask[:, None, None, :].expand(B, H, Nq, -1), 3, idx)
         routed = routed.masked_fill(~real, float("-inf"))
+    if offset is not None:  # a kept key weighs as all its copies; a slot past the distinct keys is -inf
+        routed = routed + torch.gather(offset[:, :, None, :].expand(B, H, Nq, -1), 3, idx)
     # (The ablations keep one part: "shared" drops the routed keys, "routed" the landmarks.)
     shared_values = v_shared.unsqueeze(2).expand(B, H, Nq, cfg.m, D)
     parts = ([(cfg.landmark_scale * gate, shared_values)] if cfg.use_shared else []) + (
