@@ -8,6 +8,11 @@ is its fused_cpu.cpp, with the headers it includes (``#include "x.h"``) beside i
     mkdir -p /tmp/old && git archive HEAD~3 src/mita/ops/mita/csrc | tar -x -C /tmp/old
     python scripts/kernel_ab.py /tmp/old/src/mita/ops/mita/csrc/fused_cpu.cpp \
         src/mita/ops/mita/csrc/fused_cpu.cpp --threads 1
+With ``--dtypes`` each version runs in each dtype (inputs drawn in float32, then cast), every
+(version, dtype) pair timed in the same alternating rounds, ratios to the first pair; versions
+are checked against the first version in the same dtype. Half precision against float32:
+    python scripts/kernel_ab.py src/mita/ops/mita/csrc/fused_cpu.cpp --dtypes float32 bfloat16 \
+        --cases standard1024 standard4096 standard16384 --threads 1
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from mita.ops.pooling import pool_bins
 # name: (B, H, N, m = k, grid, prefix tokens)
 CASES = {
     "deit224": (16, 6, 197, 25, (14, 14), 1),
+    "standard1024": (1, 8, 1024, 64, None, 0),
     "deit512": (4, 6, 1025, 49, (32, 32), 1),
     "standard4096": (1, 8, 4096, 64, None, 0),
     "standard8192": (1, 8, 8192, 64, None, 0),
@@ -78,11 +84,13 @@ def build(sources: list[str], folder: Path) -> list[object]:
     return spaces
 
 
-def time_case(case: str, spaces: list[object], modes: list[str], rounds: int) -> None:
-    """Checks every version against the first on one case, then prints their medians and ratios."""
+def time_case(case: str, spaces: list[object], modes: list[str], rounds: int, dtypes: list[str]) -> None:
+    """Checks every version against the first (in each dtype) on one case, then prints the medians
+    and ratios of every (version, dtype) pair."""
     B, H, N, m, grid, prefix = CASES[case]
     gen = torch.Generator().manual_seed(0)
-    q, k, v, dout = (torch.randn(B, H, N, 64, generator=gen) for _ in range(4))
+    inputs32 = [torch.randn(B, H, N, 64, generator=gen) for _ in range(4)]
+    q, k, v, _ = inputs32
     cfg = check(
         q,
         k,
@@ -101,25 +109,35 @@ def time_case(case: str, spaces: list[object], modes: list[str], rounds: int) ->
         dropout_p=0.0,
     )
     bins = pool_bins(cfg.pooling, N)
-    fwd_args = (q, k, v, None, None, None, m, 1, cfg.scale, cfg.landmark_scale, *bins)
+    # (version, dtype) pairs, each with its inputs: the first version in each dtype is its yardstick.
+    pairs = [(i, ns, getattr(torch, dt)) for dt in dtypes for i, ns in enumerate(spaces)]
+    data = {dt: [t.to(dt) for t in inputs32] for _, _, dt in pairs}
 
-    def backward(ns: object, saved: list[torch.Tensor]) -> list[torch.Tensor]:
+    def fwd_args(dt: torch.dtype) -> tuple:
+        q, k, v, _ = data[dt]
+        return (q, k, v, None, None, None, m, 1, cfg.scale, cfg.landmark_scale, *bins)
+
+    def backward(ns: object, dt: torch.dtype, saved: list[torch.Tensor]) -> list[torch.Tensor]:
+        q, k, v, dout = data[dt]
         out, experts, routes, lm, v_shared, lse_a, lse_t = saved
         args = (dout, q, k, v, lm, None, None, experts, routes, out, v_shared, lse_a, lse_t)
         return ns.fused_backward(*args, cfg.scale, cfg.landmark_scale, *bins)
 
-    saved = [ns.fused_forward(*fwd_args) for ns in spaces]
-    grads = [backward(ns, s) for ns, s in zip(spaces, saved)]
-    for i in range(1, len(spaces)):
-        for a, b in zip(saved[0] + grads[0], saved[i] + grads[i]):
-            same = torch.equal(a, b) if a.dtype == torch.long else torch.allclose(a, b, rtol=1e-3, atol=1e-4)
+    saved = [ns.fused_forward(*fwd_args(dt)) for _, ns, dt in pairs]
+    grads = [backward(ns, dt, s) for (_, ns, dt), s in zip(pairs, saved)]
+    first = {dt: j for j, (_, _, dt) in reversed(list(enumerate(pairs)))}
+    for j, (i, _, dt) in enumerate(pairs):
+        tol = 1e-3 if dt in (torch.float32, torch.float64) else 1e-2  # half: an output ulp apart
+        for a, b in zip(saved[first[dt]] + grads[first[dt]], saved[j] + grads[j]):
+            same = torch.equal(a, b) if a.dtype == torch.long else torch.allclose(a, b, rtol=tol, atol=tol / 10)
             if not same:
-                raise SystemExit(f"{case}: version {i} disagrees with version 0")
+                raise SystemExit(f"{case}: version {i} disagrees with version 0 in {dt}")
+    names = [f"v{i}" + (f" {str(dt)[6:]}" if len(dtypes) > 1 else "") for i, _, dt in pairs]
     for mode in modes:
         if mode == "fwd":
-            calls = [functools.partial(ns.fused_forward, *fwd_args) for ns in spaces]
+            calls = [functools.partial(ns.fused_forward, *fwd_args(dt)) for _, ns, dt in pairs]
         else:
-            calls = [functools.partial(backward, ns, s) for ns, s in zip(spaces, saved)]
+            calls = [functools.partial(backward, ns, dt, s) for (_, ns, dt), s in zip(pairs, saved)]
         t0 = time.perf_counter()
         calls[0]()
         reps = max(1, int(0.2 / (time.perf_counter() - t0)))
@@ -131,7 +149,7 @@ def time_case(case: str, spaces: list[object], modes: list[str], rounds: int) ->
                     call()
                 ts.append((time.perf_counter() - t0) / reps)
         med = [statistics.median(ts) for ts in times]
-        cells = "  ".join(f"v{i} {t * 1e3:.2f} ms ({t / med[0]:.3f})" for i, t in enumerate(med))
+        cells = "  ".join(f"{name} {t * 1e3:.2f} ms ({t / med[0]:.3f})" for name, t in zip(names, med))
         print(f"{case} {mode} ({torch.get_num_threads()} threads, {rounds} rounds): {cells}", flush=True)
 
 
@@ -142,12 +160,19 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=11)
+    p.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["float32"],
+        choices=["float32", "float64", "bfloat16", "float16"],
+        help="each version timed in each (default: float32); ratios are to the first version's first dtype",
+    )
     p.add_argument("--build", type=Path, default=fused.cache_root() / "kernel-ab", help="build folder (yours)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     spaces = build(args.sources, args.build)
     for case in args.cases:
-        time_case(case, spaces, args.modes, args.rounds)
+        time_case(case, spaces, args.modes, args.rounds, args.dtypes)
 
 
 if __name__ == "__main__":

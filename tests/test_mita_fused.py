@@ -356,21 +356,52 @@ def test_backward_operator_rejects_bad_saved_tensors(kernel) -> None:
         torch.ops.mita.fused_backward(*args[:9], out[:, :, :-1].contiguous(), *args[10:])
 
 
+HALF = [
+    (Case(N=63, D=60, m=8, k=9, s=3, H=3), {}),  # odd sizes, partial vectors everywhere
+    (Case(N=197, D=64, m=25, k=25, H=8, Hkv=2, B=1), {}),  # GQA
+    (Case(N=201, D=40, m=16, k=25, grid=(14, 14), prefix=1, mask=True), {"num_suffix_tokens": 4}),
+    (Case(B=1, H=2, N=600, Nk=1500, D=16, m=10, k=600, s=3, mask=True), {}),  # cross-attention, long experts
+    (Case(B=1, H=2, N=2100, D=48, m=24, k=40), {}),  # large heads: phase by phase, past the blocks
+]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_half_precision_gradients_close_to_float64(dtype: torch.dtype) -> None:
-    """Half precision runs the kernels in float32: outputs and gradients in the caller's dtype."""
-    case = Case(N=120, D=32, m=8, k=16, s=2, mask=True)
-    q, k, v, mask = case.inputs()
-    _, routing = mita_attention(q, k, v, **case.kwargs(mask), return_routing=True)
-    opts = dict(**case.kwargs(mask), landmarks=routing.landmarks)  # same routing for both
-    grads = []
-    for leaves in ([t.clone().requires_grad_() for t in (q, k, v)], [t.to(dtype).requires_grad_() for t in (q, k, v)]):
-        out = mita_attention(*leaves, **{**opts, "landmarks": opts["landmarks"].to(leaves[0].dtype)}, impl="fused")
-        assert out.dtype == leaves[0].dtype
-        grads.append(torch.autograd.grad(out, leaves, torch.ones_like(out)))
-    for ref, half in zip(*grads):
-        assert half.dtype == dtype
-        assert ((half.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item() < 0.05
+@pytest.mark.parametrize("case,extra", HALF, ids=[str(c) for c, _ in HALF])
+def test_half_precision_within_twice_the_reference_error(case: Case, extra: dict, dtype: torch.dtype) -> None:
+    """bfloat16 and float16 q, k, v go into the kernels as they are (converted block by block into
+    float32 scratch, written back in the input dtype): output and gradients against float64 on the
+    same (rounded) inputs, within twice the error of the reference in that dtype (as flash-attn
+    bounds its kernels by a reference implementation's own error), plus 1e-6 of the largest value.
+    Landmarks are given (pooled in float64), so that every run routes alike."""
+    q, k, v, mask = (t if t is None or t.dtype == torch.bool else t.to(dtype).double() for t in case.inputs())
+    grad = torch.randn_like(q).to(dtype).double()
+    kwargs = {**case.kwargs(mask), **extra}
+    _, routing = mita_attention(q, k, v, **kwargs, impl="reference", return_routing=True)
+    landmarks = routing.landmarks.to(dtype).double()
+    results = {}
+    for impl, dt in (("reference", torch.float64), ("reference", dtype), ("fused", dtype)):
+        leaves = [t.to(dt).requires_grad_() for t in (q, k, v)]
+        out = mita_attention(*leaves, **kwargs, landmarks=landmarks.to(dt), impl=impl)
+        results[impl, dt] = (out, *torch.autograd.grad(out, leaves, grad.to(dt)))
+    exact, baseline, fused_ = results["reference", torch.float64], results["reference", dtype], results["fused", dtype]
+    for name, a, b, e in zip(("out", "dq", "dk", "dv"), fused_, baseline, exact):
+        assert a.dtype == dtype, name
+        bound = 2 * (b.double() - e).abs().max().item() + 1e-6 * e.abs().max().item()
+        assert (a.double() - e).abs().max().item() <= bound, name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_makes_no_float32_copies_of_the_inputs(dtype: torch.dtype) -> None:
+    """No whole-tensor conversion around the kernels: forward and backward make no copy of q, k, v,
+    the output or its gradient (a (B, H, N, D) tensor)."""
+    q, k, v, _ = (t if t is None else t.to(dtype) for t in Case(N=300, D=32, m=8, k=16).inputs())
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    with torch.profiler.profile(record_shapes=True) as prof:
+        out = mita_attention(*leaves, num_landmarks=8, topk=16, impl="fused")
+        out.backward(torch.ones_like(out))
+    copies = [e for e in prof.events() if e.name in ("aten::_to_copy", "aten::copy_")]
+    assert not [e for e in copies if list(q.shape) in e.input_shapes], [e.name for e in copies]
+    assert all(t.grad.dtype == dtype for t in leaves)
 
 
 @pytest.mark.parametrize("hkv", [4, 2], ids=["mha", "gqa"])

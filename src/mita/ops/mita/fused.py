@@ -9,6 +9,20 @@ It is compiled on first use with the compiler already on the machine and cached 
 differ (never by the checkout), so a user waits once; a cache folder of another user or
 writable by everyone is refused. ``MITA_FUSED=0`` turns it off; if it cannot be built or
 loaded, MiTA falls back to the pure-PyTorch grouped path with one warning.
+
+Half precision (issue 29): bfloat16 and float16 q, k, v (and the output's gradient) go into the
+kernels as they are, without whole-tensor copies. The kernels convert each block they read into
+float32 scratch (a key block, a query block, an expert's gathered rows; small experts convert as
+they load), compute every product, softmax and merge in float32, and round the output (and dq,
+dk, dv) into the input dtype; the landmarks, v~ and log-sum-exps stay float32. Verified by
+``tests/test_mita_fused.py``: outputs and gradients within twice the error of the reference in
+the same dtype against float64 (odd sizes, masks, prefix and suffix tokens, GQA, cross-attention,
+both schedules), and no copy of a (B, H, N, D) tensor in the profile of a forward and backward.
+Speed on an AMD EPYC Zen 3 (AVX2, no AMX): docs/performance.md, "Half precision". Half-precision
+*products* (``at::native::cpublas::brgemm`` on bfloat16 operands, AMX where
+``cpublas::could_pack`` says so) are not implemented: on CPUs without AMX or AVX512-BF16, such as
+the one this was measured on, they would fall back to a slower gemm, and no CPU with them was
+available to test a packed path; the float32-scratch path above is what every CPU runs.
 """
 
 from __future__ import annotations
@@ -35,8 +49,8 @@ from .grouped import mita_attention_grouped
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_cpu.cpp"  # one translation unit: it includes the headers beside it
 _ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
-    "AVX2": ["-mavx2", "-mfma"],
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],  # F16C: float16 inputs converted by vcvtph2ps
 }
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -193,16 +207,22 @@ def _fake_forward(
 ):
     """Output shapes without computing, for tracing (``torch.compile``, FakeTensor)."""
     B, H, Nq, D = q.shape
-    m, long = (landmarks.shape[2] if landmarks is not None else offsets.shape[0] - 1), torch.long
+    m, long, c = (landmarks.shape[2] if landmarks is not None else offsets.shape[0] - 1), torch.long, _compute(q.dtype)
     return [
         q.new_empty(B, Nq, H, D).transpose(1, 2),  # written as (B, N, H, D), like SDPA's CPU kernel
         q.new_empty(B, H, m, topk, dtype=long),
         q.new_empty(B, H, Nq, num_routed, dtype=long),
-        q.new_empty(B, H, m, D),
-        q.new_empty(B, H, m, D),
-        q.new_empty(B, H, m),
-        q.new_empty(B, H, Nq),
+        q.new_empty(B, H, m, D, dtype=c),
+        q.new_empty(B, H, m, D, dtype=c),
+        q.new_empty(B, H, m, dtype=c),
+        q.new_empty(B, H, Nq, dtype=c),
     ]
+
+
+def _compute(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernels compute in for inputs of ``dtype`` (that of the landmarks, v~ and the
+    log-sum-exps): float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _fake_backward(dout, q, k, v, landmarks, *_):
@@ -317,8 +337,9 @@ def mita_attention_fused(
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """MiTA by the fused CPU kernels, forward and backward; returns (out, (landmarks, experts, routes)).
 
-    bfloat16 and float16 are computed in float32 (the kernels' products and softmaxes) and the
-    output cast back, which is at least as precise as the grouped path's half-precision products.
+    bfloat16 and float16 inputs are read by the kernels as they are and computed in float32 (see
+    the module's docstring); the output and gradients are in the input dtype, the pooled landmarks
+    rounded to it.
     """
     reasons = not_supported_reasons(q, cfg, dropout_p)
     if reasons:
@@ -332,8 +353,7 @@ def mita_attention_fused(
             bins = pool_bins(cfg.pooling, q.shape[2])  # (traced code pools in Python: no cached tensors in graphs)
         else:
             landmarks = pool(q, cfg.pooling, cfg.query_mask)
-    compute = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
-    q_, k_, v_ = _distinct([_rows(t.to(compute)) for t in (q, k, v)])
-    given = None if landmarks is None else landmarks.to(compute).contiguous()
+    q_, k_, v_ = _distinct([_rows(t) for t in (q, k, v)])  # half precision passes as it is: no copies
+    given = None if landmarks is None else landmarks.to(_compute(q.dtype)).contiguous()
     out, pooled, experts, routes = _FusedMiTA.apply(q_, k_, v_, given, cfg, bins)
-    return out.to(q.dtype), (pooled.to(q.dtype) if landmarks is None else landmarks, experts, routes)
+    return out, (pooled.to(q.dtype) if landmarks is None else landmarks, experts, routes)

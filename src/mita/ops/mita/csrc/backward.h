@@ -11,8 +11,10 @@ namespace {
 // task per head: dq, dlandmarks and the head's dk, dv rows have one writer). p are the joint
 // probabilities exp(logit - lse_t); with delta = <dout, out> per query, d logit = p (dp - delta).
 // Order: the shared expert (dq written), the shared values (dk, dv written), the routed experts
-// (added in; small ones in register tiles, as the forward's).
-template <typename T>
+// (added in; small ones in register tiles, as the forward's). dout, q, k, v, out and the gradients
+// of q, k, v are of type In, computed in T (float for bfloat16 and float16: see Compute in vec.h): a
+// head's gradients are then accumulated in float32 scratch and rounded into dq, dk, dv at its end.
+template <typename T, typename In>
 void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& lm, const bool* key_mask, const bool* query_mask, const at::Tensor& experts,
                    const at::Tensor& routes, const at::Tensor& out, const at::Tensor& v_shared,
@@ -23,11 +25,14 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   const int64_t Hkv = k.size(1), Nk = k.size(2), m = lm.size(2), G = H / Hkv, X = B * H;
   const int64_t topk = experts.size(3), s = routes.size(3);
   const T scale = static_cast<T>(scale_), lscale = static_cast<T>(landmark_scale_);
-  const T *dO = dout.data_ptr<T>(), *Q = q.data_ptr<T>(), *K = k.data_ptr<T>(), *Vv = v.data_ptr<T>();
-  const T *L = lm.data_ptr<T>(), *O = out.data_ptr<T>(), *VS = v_shared.data_ptr<T>();
+  constexpr bool half = !std::is_same_v<T, In>;
+  const In *dO = dout.data_ptr<In>(), *Q = q.data_ptr<In>(), *K = k.data_ptr<In>(), *Vv = v.data_ptr<In>();
+  const In* O = out.data_ptr<In>();
+  const T *L = lm.data_ptr<T>(), *VS = v_shared.data_ptr<T>();
   const T *LA = lse_a.data_ptr<T>(), *LT = lse_t.data_ptr<T>();
   const int64_t *E = experts.data_ptr<int64_t>(), *R = routes.data_ptr<int64_t>();
-  T *dQ = dq.data_ptr<T>(), *dK = dk.data_ptr<T>(), *dV = dv.data_ptr<T>(), *dL = dl.data_ptr<T>();
+  In *dQ = dq.data_ptr<In>(), *dK = dk.data_ptr<In>(), *dV = dv.data_ptr<In>();
+  T* dL = dl.data_ptr<T>();
   const Rows qr(q), kr(k), vr(v), outr(out), dor(dout);  // dq, dk, dv are contiguous
   const int64_t qs = qr.st, ks = kr.st, vs = vr.st, os = outr.st, dos = dor.st;
 
@@ -37,6 +42,9 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
     std::vector<T> delta(Nq), dvs(m * D), rowdot(m), P(nbuf * std::max(m, topk)), dP(nbuf * std::max(m, topk));
     std::vector<T> Qb(kQueryBlock * D), dOb(kQueryBlock * D), dQb(kQueryBlock * D), Ke(topk * D), Ve(topk * D),
         dKe(topk * D), dVe(topk * D);
+    // Half precision: a key block converted, and the head's gradients in T until rounded at its end.
+    std::vector<T> Kb(half ? kKeyBlock * D : 0), Vb(half ? kKeyBlock * D : 0), dQf(half ? Nq * D : 0),
+        dKf(half ? Nk * D : 0), dVf(half ? Nk * D : 0);
     std::vector<int64_t> start(m + 1), members(Nq * s);
     for (int64_t x = begin; x < end; ++x) {
       const int64_t b = x / H;
@@ -44,13 +52,17 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
       const bool* km = key_mask ? key_mask + b * Nk : nullptr;
       const int64_t kk = key_mask ? std::min<int64_t>(topk, std::count(km, km + Nk, true)) : topk;
       const int64_t h = x % H, hkv = h / G;
-      const T *Qx = Q + qr.head(b, h), *dOx = dO + dor.head(b, h), *Ox = O + outr.head(b, h), *Lx = L + x * m * D;
-      const T *VSx = VS + x * m * D, *Kx = K + kr.head(b, hkv), *Vx = Vv + vr.head(b, hkv), *LTx = LT + x * Nq;
-      T *dQx = dQ + x * Nq * D, *dKx = dK + x * Nk * D, *dVx = dV + x * Nk * D, *dLx = dL + x * m * D;
-      for (int64_t t = 0; t < Nq; ++t)
-        delta[t] = (qm && !qm[t]) ? T(0) : at::vec::map2_reduce_all<T>(
-            [](Vectorized<T> a, Vectorized<T> c) { return a * c; }, [](Vectorized<T> a, Vectorized<T> c) { return a + c; },
-            dOx + t * dos, Ox + t * os, D);
+      const In *Qx = Q + qr.head(b, h), *dOx = dO + dor.head(b, h), *Ox = O + outr.head(b, h);
+      const In *Kx = K + kr.head(b, hkv), *Vx = Vv + vr.head(b, hkv);
+      const T *Lx = L + x * m * D, *VSx = VS + x * m * D, *LTx = LT + x * Nq;
+      // The head's gradients: written in place, or (half precision) in scratch, rounded at its end.
+      const auto grad = [](auto* rows, std::vector<T>& scratch) -> T* {
+        if constexpr (std::is_same_v<decltype(rows), T*>) return rows;
+        else return scratch.data();
+      };
+      T *dQx = grad(dQ + x * Nq * D, dQf), *dKx = grad(dK + x * Nk * D, dKf), *dVx = grad(dV + x * Nk * D, dVf);
+      T* dLx = dL + x * m * D;
+      for (int64_t t = 0; t < Nq; ++t) delta[t] = (qm && !qm[t]) ? T(0) : row_dot<T>(dOx + t * dos, Ox + t * os, D);
       std::fill(dvs.begin(), dvs.end(), T(0));
 
       // Shared expert: logits ls * q.q~, values v~; transposed as in the forward's gate (m x nq,
@@ -59,8 +71,11 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         using V = Vectorized<T>;
         const int64_t nq = std::min(kQueryBlock, Nq - t0), ld = whole_vectors<T>(nq);
         T *Pt = P.data(), *dPt = dP.data();
-        gemm<T>(false, true, m, nq, D, Lx, D, Qx + t0 * qs, qs, false, Pt, ld);
-        gemm<T>(false, true, m, nq, D, VSx, D, dOx + t0 * dos, dos, false, dPt, ld);
+        int64_t lq = qs, ldo = dos;
+        const T* Qt0 = rows_as(Qx + t0 * qs, nq, D, lq, Qb.data());
+        const T* dOt0 = rows_as(dOx + t0 * dos, nq, D, ldo, dOb.data());
+        gemm<T>(false, true, m, nq, D, Lx, D, Qt0, lq, false, Pt, ld);
+        gemm<T>(false, true, m, nq, D, VSx, D, dOt0, ldo, false, dPt, ld);
         const V vls(lscale);
         for (int64_t i0 = 0; i0 < nq; i0 += V::size()) {
           const int64_t c = std::min<int64_t>(V::size(), nq - i0);
@@ -76,20 +91,20 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             if (!qm[t0 + i])
               for (int64_t e = 0; e < m; ++e) Pt[e * ld + i] = dPt[e * ld + i] = T(0);
         gemm<T>(true, false, nq, D, m, dPt, ld, Lx, D, false, dQx + t0 * D, D);
-        gemm<T>(false, false, m, D, nq, dPt, ld, Qx + t0 * qs, qs, true, dLx, D);
-        gemm<T>(false, false, m, D, nq, Pt, ld, dOx + t0 * dos, dos, true, dvs.data(), D);
+        gemm<T>(false, false, m, D, nq, dPt, ld, Qt0, lq, true, dLx, D);
+        gemm<T>(false, false, m, D, nq, Pt, ld, dOt0, ldo, true, dvs.data(), D);
       }
 
       // Shared values v~ = softmax(s0 A) V, by key blocks: P_A recomputed from its log-sum-exp. It
       // covers every key, so it writes the head's dk and dv rows first (no zero-fill of them).
-      for (int64_t i = 0; i < m; ++i)
-        rowdot[i] = at::vec::map2_reduce_all<T>(
-            [](Vectorized<T> a, Vectorized<T> c) { return a * c; }, [](Vectorized<T> a, Vectorized<T> c) { return a + c; },
-            dvs.data() + i * D, VSx + i * D, D);
+      for (int64_t i = 0; i < m; ++i) rowdot[i] = row_dot<T>(dvs.data() + i * D, VSx + i * D, D);
       for (int64_t j0 = 0; j0 < Nk; j0 += kKeyBlock) {
         const int64_t nb = std::min(kKeyBlock, Nk - j0);
-        gemm<T>(false, true, m, nb, D, Lx, D, Kx + j0 * ks, ks, false, P.data(), nb);
-        gemm<T>(false, true, m, nb, D, dvs.data(), D, Vx + j0 * vs, vs, false, dP.data(), nb);
+        int64_t lk = ks, lv = vs;
+        const T* Kt0 = rows_as(Kx + j0 * ks, nb, D, lk, Kb.data());
+        const T* Vt0 = rows_as(Vx + j0 * vs, nb, D, lv, Vb.data());
+        gemm<T>(false, true, m, nb, D, Lx, D, Kt0, lk, false, P.data(), nb);
+        gemm<T>(false, true, m, nb, D, dvs.data(), D, Vt0, lv, false, dP.data(), nb);
         for (int64_t i = 0; i < m; ++i) {
           T *p = P.data() + i * nb, *dp = dP.data() + i * nb;
           probs(p, nb, scale, LA[x * m + i]);
@@ -99,7 +114,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           }
         }
         gemm<T>(true, false, nb, D, m, P.data(), nb, dvs.data(), D, false, dVx + j0 * D, D);
-        gemm<T>(false, false, m, D, nb, dP.data(), nb, Kx + j0 * ks, ks, true, dLx, D);
+        gemm<T>(false, false, m, D, nb, dP.data(), nb, Kt0, lk, true, dLx, D);
         gemm<T>(true, false, nb, D, m, dP.data(), nb, Lx, D, false, dKx + j0 * D, D);
       }
 
@@ -134,8 +149,19 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           T *Qt = Qb.data(), *dOt = dOb.data(), *Pt = P.data(), *dPt = dP.data();
           const auto qrow = [&](int64_t i) { return Qx + (mem[i] / s) * qs; };
           const auto dorow = [&](int64_t i) { return dOx + (mem[i] / s) * dos; };
-          const auto krow = [&](int64_t j) { return Kx + keys[j] * ks; };
-          const auto vrow = [&](int64_t j) { return Vx + keys[j] * vs; };
+          if constexpr (half)  // keys and values converted once, as in the forward's small experts
+            for (int64_t j = 0; j < kk; ++j) {
+              to_compute(Kx + keys[j] * ks, Ke.data() + j * D, D);
+              to_compute(Vx + keys[j] * vs, Ve.data() + j * D, D);
+            }
+          const auto krow = [&](int64_t j) {
+            if constexpr (half) return static_cast<const T*>(Ke.data() + j * D);
+            else return Kx + keys[j] * ks;
+          };
+          const auto vrow = [&](int64_t j) {
+            if constexpr (half) return static_cast<const T*>(Ve.data() + j * D);
+            else return Vx + keys[j] * vs;
+          };
           rows_as_columns<T>(n_e, D, ld, T(1), qrow, Qt);
           rows_as_columns<T>(n_e, D, ld, T(1), dorow, dOt);
           small_gemm<T>(kk, ld, D, krow, 1, [&](int64_t d) { return Qt + d * ld; }, Pt, ld);
@@ -163,8 +189,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           continue;
         }
         for (int64_t i = 0; i < kk; ++i) {
-          std::copy(Kx + keys[i] * ks, Kx + keys[i] * ks + D, Ke.data() + i * D);
-          std::copy(Vx + keys[i] * vs, Vx + keys[i] * vs + D, Ve.data() + i * D);
+          to_compute(Kx + keys[i] * ks, Ke.data() + i * D, D);
+          to_compute(Vx + keys[i] * vs, Ve.data() + i * D, D);
         }
         std::fill(dKe.begin(), dKe.end(), T(0));
         std::fill(dVe.begin(), dVe.end(), T(0));
@@ -172,8 +198,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           const int64_t nb = std::min(kQueryBlock, n_e - i0);
           for (int64_t i = 0; i < nb; ++i) {
             const int64_t t = mem[i0 + i] / s;
-            std::copy(Qx + t * qs, Qx + t * qs + D, Qb.data() + i * D);
-            std::copy(dOx + t * dos, dOx + t * dos + D, dOb.data() + i * D);
+            to_compute(Qx + t * qs, Qb.data() + i * D, D);
+            to_compute(dOx + t * dos, dOb.data() + i * D, D);
           }
           gemm<T>(false, true, nb, kk, D, Qb.data(), D, Ke.data(), D, false, P.data(), kk);
           gemm<T>(false, true, nb, kk, D, dOb.data(), D, Ve.data(), D, false, dP.data(), kk);
@@ -199,6 +225,11 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         } else {
           unpool_head(dLx, m, D, bins, dQx);
         }
+      }
+      if constexpr (half) {
+        from_compute(dQx, dQ + x * Nq * D, Nq * D);
+        from_compute(dKx, dK + x * Nk * D, Nk * D);
+        from_compute(dVx, dV + x * Nk * D, Nk * D);
       }
     }
   });

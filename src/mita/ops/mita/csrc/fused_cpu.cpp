@@ -34,14 +34,24 @@ bool rows_contiguous(const at::Tensor& t) {
   return t.dim() == 4 && (t.stride(3) == 1 || t.size(3) == 1);
 }
 
+// The dtype the kernels compute in for inputs of `dtype`: float64 for float64, else float32
+// (bfloat16 and float16 inputs are converted block by block, see Compute in vec.h).
+at::ScalarType compute_type(at::ScalarType dtype) {
+  return dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& landmarks) {
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kDouble || dt == at::kBFloat16 || dt == at::kHalf,
+              "mita fused: q must be float32, float64, bfloat16 or float16, got ", dt);
   for (const auto* t : {&q, &k, &v, &landmarks}) {
     TORCH_CHECK(t->device().is_cpu() && rows_contiguous(*t),
                 "mita fused: q, k, v, landmarks must be 4-D CPU tensors with contiguous rows (stride(-1) == 1)");
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "mita fused: q, k, v, landmarks must share one dtype");
+    TORCH_CHECK(t->scalar_type() == (t == &landmarks ? compute_type(dt) : dt),
+                "mita fused: q, k, v must share one dtype and the landmarks be of the dtype it computes in (",
+                compute_type(dt), " for ", dt, "), got ", t->scalar_type());
   }
   TORCH_CHECK(landmarks.is_contiguous(), "mita fused: landmarks must be contiguous");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, "mita fused: float32 or float64 only");
   // Every size is a divisor or a loop bound somewhere: an empty one is refused here, not met as a SIGFPE.
   TORCH_CHECK(q.numel() > 0 && k.numel() > 0 && landmarks.numel() > 0,
               "mita fused: every size of q (B, H, Nq, D), k, v (B, Hkv, Nk, D) and the landmarks (B, H, m, D) must "
@@ -54,7 +64,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               "mita fused: bad landmarks shape");
 }
 
-// scale and landmark_scale, positive and finite in q's dtype: the kernels scale differences of
+// scale and landmark_scale, positive and finite in the compute dtype: the kernels scale differences of
 // logits by them (exp_sum), which takes a positive factor.
 void check_scales(double scale, double landmark_scale, at::ScalarType dtype) {
   for (const double s : {scale, landmark_scale}) {
@@ -99,11 +109,12 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
                                 const std::optional<at::Tensor>& pool_tokens) {
   const Bins bins = bins_data(pool_offsets, pool_tokens, q.dim() == 4 ? q.size(2) : 0);
   TORCH_CHECK(landmarks.has_value() != bool(bins), "mita fused: pass either landmarks or pooling bins");
+  const auto copts = q.options().dtype(compute_type(q.scalar_type()));  // landmarks, v~, log-sum-exps
   at::Tensor lm = landmarks.has_value()
                       ? landmarks->clone()
-                      : at::empty({q.size(0), q.size(1), pool_offsets->numel() - 1, q.size(3)}, q.options());
+                      : at::empty({q.size(0), q.size(1), pool_offsets->numel() - 1, q.size(3)}, copts);
   check_inputs(q, k, v, lm);
-  check_scales(scale, landmark_scale, q.scalar_type());
+  check_scales(scale, landmark_scale, copts.dtype().toScalarType());
   const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3), m = lm.size(2);
   const bool *km = mask_data(key_mask, B, k.size(2), "key_mask"), *qm = mask_data(query_mask, B, Nq, "query_mask");
   TORCH_CHECK(!bins || !qm, "mita fused: pooling bins take no query mask (pool the masked landmarks outside)");
@@ -112,13 +123,12 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   TORCH_CHECK(topk >= 1 && topk <= k.size(2) && num_routed >= 1 && num_routed <= m,
               "mita fused: topk must be in [1, Nk = ", k.size(2), "] and num_routed in [1, m = ", m, "], got topk = ",
               topk, ", num_routed = ", num_routed);
-  const auto opts = q.options();
-  at::Tensor out = at::empty({B, Nq, H, D}, opts).transpose(1, 2), v_shared = at::empty({B, H, m, D}, opts);
-  at::Tensor lse_a = at::empty({B, H, m}, opts), lse_t = at::empty({B, H, Nq}, opts);
-  at::Tensor experts = at::empty({B, H, m, topk}, opts.dtype(at::kLong));
-  at::Tensor routes = at::empty({B, H, Nq, num_routed}, opts.dtype(at::kLong));
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mita_fused_forward", [&] {
-    forward_impl<scalar_t>(q, k, v, lm, bins, km, qm, topk, num_routed, scale, landmark_scale, out, experts, routes,
+  at::Tensor out = at::empty({B, Nq, H, D}, q.options()).transpose(1, 2), v_shared = at::empty({B, H, m, D}, copts);
+  at::Tensor lse_a = at::empty({B, H, m}, copts), lse_t = at::empty({B, H, Nq}, copts);
+  at::Tensor experts = at::empty({B, H, m, topk}, q.options().dtype(at::kLong));
+  at::Tensor routes = at::empty({B, H, Nq, num_routed}, q.options().dtype(at::kLong));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mita_fused_forward", [&] {
+    forward_impl<Compute<scalar_t>, scalar_t>(q, k, v, lm, bins, km, qm, topk, num_routed, scale, landmark_scale, out, experts, routes,
                            v_shared, lse_a, lse_t);
   });
   return {out, experts, routes, lm, v_shared, lse_a, lse_t};
@@ -136,7 +146,8 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
                                  const std::optional<at::Tensor>& pool_tokens,
                                  const std::optional<at::Tensor>& dlandmarks) {
   check_inputs(q, k, v, landmarks);
-  check_scales(scale, landmark_scale, q.scalar_type());
+  const auto ct = compute_type(q.scalar_type());
+  check_scales(scale, landmark_scale, ct);
   const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), Nk = k.size(2), D = q.size(3);
   const int64_t Nq = q.size(2), m = landmarks.size(2);
   const bool *km = mask_data(key_mask, B, Nk, "key_mask"), *qm = mask_data(query_mask, B, Nq, "query_mask");
@@ -144,13 +155,14 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
   TORCH_CHECK(!bins || (pool_offsets->numel() == m + 1 && !qm),
               "mita fused: pooling bins must give the m landmarks and take no query mask");
   TORCH_CHECK(!dlandmarks.has_value() || (bins && dlandmarks->sizes() == landmarks.sizes() &&
-                                          dlandmarks->scalar_type() == q.scalar_type() && dlandmarks->is_contiguous()),
+                                          dlandmarks->scalar_type() == ct && dlandmarks->is_contiguous()),
               "mita fused: dlandmarks goes with pooling bins and must be contiguous, of the landmarks' shape and dtype");
-  for (const auto* t : {&dout, &out, &v_shared, &lse_a, &lse_t})
-    TORCH_CHECK((t == &dout || t == &out ? rows_contiguous(*t) : t->is_contiguous()) &&
-                    t->scalar_type() == q.scalar_type(),
-                "mita fused: dout and out must have contiguous rows, the other saved tensors be contiguous, all of "
-                "q's dtype");
+  for (const auto* t : {&dout, &out, &v_shared, &lse_a, &lse_t}) {
+    const bool rows = t == &dout || t == &out;
+    TORCH_CHECK((rows ? rows_contiguous(*t) : t->is_contiguous()) && t->scalar_type() == (rows ? q.scalar_type() : ct),
+                "mita fused: dout and out must have contiguous rows and q's dtype, v_shared, lse_a, lse_t be "
+                "contiguous and of the landmarks' dtype");
+  }
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes() && v_shared.sizes() == landmarks.sizes() &&
                   lse_a.sizes() == at::IntArrayRef({B, H, m}) && lse_t.sizes() == at::IntArrayRef({B, H, Nq}),
               "mita fused: dout, out, v_shared, lse_a, lse_t do not match q and the landmarks");
@@ -166,8 +178,8 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
               "mita fused: routes out of range");
   at::Tensor dq = at::empty(q.sizes(), q.options()), dl = at::zeros_like(landmarks);
   at::Tensor dk = at::empty({B, H, Nk, D}, q.options()), dv = at::empty({B, H, Nk, D}, q.options());
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mita_fused_backward", [&] {
-    backward_impl<scalar_t>(dout, q, k, v, landmarks, km, qm, experts, routes, out, v_shared, lse_a, lse_t, scale,
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mita_fused_backward", [&] {
+    backward_impl<Compute<scalar_t>, scalar_t>(dout, q, k, v, landmarks, km, qm, experts, routes, out, v_shared, lse_a, lse_t, scale,
                             landmark_scale, bins, dlandmarks.has_value() ? &*dlandmarks : nullptr, dq, dk, dv, dl);
   });
   if (H != Hkv) {  // grouped-query heads: each kv head's gradient is the sum over its query heads

@@ -10,7 +10,8 @@ namespace {
 // Products too small for a BLAS call to pay for itself (an expert of a few queries at vision
 // sizes): C (M x N) = sum_l A(i, l) * row_l(B) (+ C when `add`), where A(i, l) = a(i)[l * as]
 // and b(l) points to row l of B, so that either operand is read in place, transposed or
-// gathered by index, without copies. Register tiles of R rows by NV vectors, A broadcast.
+// gathered by index, without copies, in T or (the kernels' half-precision inputs) converted to T
+// as it is loaded. Register tiles of R rows by NV vectors, A broadcast.
 template <typename T, int R, int NV, bool Full, typename AF, typename BF>
 void small_tile(int64_t i0, int64_t j0, int64_t K, int64_t last, const AF& a, int64_t as, const BF& b, T* C,
                 int64_t ldc, bool add) {
@@ -19,7 +20,7 @@ void small_tile(int64_t i0, int64_t j0, int64_t K, int64_t last, const AF& a, in
   // independent multiply-add chains in flight: with one chain each step waits the FMA's latency.
   constexpr int U = Full ? std::max(1, 8 / (R * NV)) : 1;
   V c[U][R][NV];
-  const T* ap[R];
+  decltype(a(i0)) ap[R];
   for (int r = 0; r < R; ++r) ap[r] = a(i0 + r);
   for (int u = 0; u < U; ++u)
     for (int r = 0; r < R; ++r)
@@ -27,20 +28,20 @@ void small_tile(int64_t i0, int64_t j0, int64_t K, int64_t last, const AF& a, in
   int64_t l = 0;
   for (; l + U <= K; l += U)
     for (int u = 0; u < U; ++u) {
-      const T* row = b(l + u) + j0;
+      const auto* row = b(l + u) + j0;
       V bv[NV];
       for (int v = 0; v < NV; ++v)
-        bv[v] = !Full && v == NV - 1 ? V::loadu(row + v * V::size(), last) : V::loadu(row + v * V::size());
+        bv[v] = !Full && v == NV - 1 ? load_as<T>(row + v * V::size(), last) : load_as<T>(row + v * V::size());
       for (int r = 0; r < R; ++r) {
-        const V av(ap[r][(l + u) * as]);
+        const V av(static_cast<T>(ap[r][(l + u) * as]));
         for (int v = 0; v < NV; ++v) c[u][r][v] = at::vec::fmadd(av, bv[v], c[u][r][v]);
       }
     }
   for (; l < K; ++l) {  // the last K % U steps (U > 1 only where the last vector is whole)
-    const T* row = b(l) + j0;
+    const auto* row = b(l) + j0;
     for (int r = 0; r < R; ++r) {
-      const V av(ap[r][l * as]);
-      for (int v = 0; v < NV; ++v) c[0][r][v] = at::vec::fmadd(av, V::loadu(row + v * V::size()), c[0][r][v]);
+      const V av(static_cast<T>(ap[r][l * as]));
+      for (int v = 0; v < NV; ++v) c[0][r][v] = at::vec::fmadd(av, load_as<T>(row + v * V::size()), c[0][r][v]);
     }
   }
   for (int u = 1; u < U; ++u)
@@ -154,7 +155,7 @@ inline void transpose_block(Vectorized<float> r[8]) {
 #endif
 
 // Qt (D x ld) = scale * the rows row(0 .. nb) as its columns, columns nb .. ld zero (a small
-// expert's queries as lanes; an operand of gemm transposed). With AVX-512 or AVX2 by square blocks
+// expert's queries as lanes; an operand of gemm transposed); rows of T or of half precision. With AVX-512 or AVX2 by square blocks
 // transposed in registers (a partial block's missing rows loaded as zeros, its missing columns not
 // stored): the element-wise stores were a fifth of the routed phase at N = 197.
 template <typename T, typename RF>
@@ -165,13 +166,13 @@ void rows_as_columns(int64_t nb, int64_t D, int64_t ld, T scale, const RF& row, 
     constexpr int W = V::size();
     const V vs(scale);
     for (int64_t i0 = 0; i0 < ld; i0 += W) {
-      const T* rp[W];
+      decltype(row(0)) rp[W];
       for (int i = 0; i < W; ++i) rp[i] = i0 + i < nb ? row(i0 + i) : nullptr;
       for (int64_t d0 = 0; d0 < D; d0 += W) {
         const int64_t n = std::min<int64_t>(W, D - d0);
         V r[W];
         for (int i = 0; i < W; ++i)
-          r[i] = rp[i] ? (n == W ? V::loadu(rp[i] + d0) : V::loadu(rp[i] + d0, n)) * vs : V(0.f);
+          r[i] = rp[i] ? load_as<T>(rp[i] + d0, n) * vs : V(0.f);
         transpose_block(r);
         for (int c = 0; c < n; ++c) r[c].store(Qt + (d0 + c) * ld + i0);
       }
@@ -181,8 +182,8 @@ void rows_as_columns(int64_t nb, int64_t D, int64_t ld, T scale, const RF& row, 
 #endif
   for (int64_t d = 0; d < D; ++d) std::fill(Qt + d * ld + nb, Qt + (d + 1) * ld, T(0));
   for (int64_t i = 0; i < nb; ++i) {
-    const T* q = row(i);
-    for (int64_t d = 0; d < D; ++d) Qt[d * ld + i] = scale * q[d];
+    const auto* q = row(i);
+    for (int64_t d = 0; d < D; ++d) Qt[d * ld + i] = scale * static_cast<T>(q[d]);
   }
 }
 

@@ -3,7 +3,7 @@
 
 #pragma once
 
-#include "common.h"
+#include "vec.h"
 
 namespace {
 
@@ -26,15 +26,19 @@ struct Bins {
 };
 
 // Lx[i] = mean of Qx[t] over the tokens t of bin i (summed in token order, then divided, as
-// adaptive_avg_pool does).
-template <typename T>
-void pool_head(const T* Qx, int64_t st, int64_t m, int64_t D, Bins bins, T* Lx) {
+// adaptive_avg_pool does), in T whatever Qx's type (half-precision rows converted a vector at a time).
+template <typename T, typename In>
+void pool_head(const In* Qx, int64_t st, int64_t m, int64_t D, Bins bins, T* Lx) {
+  using V = Vectorized<T>;
   for (int64_t i = 0; i < m; ++i) {
     T* l = Lx + i * D;
     std::fill(l, l + D, T(0));
     for (int64_t p = bins.offsets[i]; p < bins.offsets[i + 1]; ++p) {
-      const T* row = Qx + bins.tokens[p] * st;
-      for (int64_t d = 0; d < D; ++d) l[d] += row[d];
+      const In* row = Qx + bins.tokens[p] * st;
+      for (int64_t d = 0; d < D; d += V::size()) {
+        const int64_t n = std::min<int64_t>(V::size(), D - d);
+        (V::loadu(l + d, n) + load_as<T>(row + d, n)).store(l + d, n);
+      }
     }
     const T n = static_cast<T>(bins.offsets[i + 1] - bins.offsets[i]);
     for (int64_t d = 0; d < D; ++d) l[d] /= n;

@@ -80,6 +80,81 @@ void probs(T* x, int64_t n, T a, T lse) {
   at::vec::map([&](V v) { return prob(v, va, vl); }, x, x, n);
 }
 
+// Half precision. The kernels take bfloat16 and float16 q, k, v (and dout) and compute in float32
+// (Compute<In>: float for them, the type itself for float and double): every read of an input row
+// goes through load_as or to_compute, which convert per vector or per block into float32 scratch
+// (bfloat16 by a shift, float16 by F16C's vcvtph2ps, both through at::vec::load_to_float), and the
+// results are written back by from_compute (round to nearest even). For float and double they are
+// plain loads and copies.
+template <typename In>
+using Compute = std::conditional_t<std::is_same_v<In, double>, double, float>;
+
+// n <= W elements of p as a vector of T, the missing lanes zero.
+template <typename T, typename In>
+inline Vectorized<T> load_as(const In* p, int64_t n = Vectorized<T>::size()) {
+  using V = Vectorized<T>;
+  if constexpr (std::is_same_v<T, In>) {
+    return n == V::size() ? V::loadu(p) : V::loadu(p, n);
+  } else {
+    V x;
+    if (n == V::size()) {
+      at::vec::load_to_float(p, x);
+    } else {
+      T tmp[V::size()] = {};
+      for (int64_t i = 0; i < n; ++i) tmp[i] = static_cast<T>(p[i]);
+      x = V::loadu(tmp);
+    }
+    return x;
+  }
+}
+
+// dst[0 .. n) = src[0 .. n) as T.
+template <typename T, typename In>
+void to_compute(const In* src, T* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, In>) {
+    std::copy(src, src + n, dst);
+  } else {
+    using V = Vectorized<T>;
+    int64_t j = 0;
+    for (; j + V::size() <= n; j += V::size()) load_as<T>(src + j).store(dst + j);
+    for (; j < n; ++j) dst[j] = static_cast<T>(src[j]);
+  }
+}
+
+// dst[0 .. n) = src[0 .. n) rounded to In.
+template <typename In, typename T>
+void from_compute(const T* src, In* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, In>) {
+    std::copy(src, src + n, dst);
+  } else {
+    at::vec::convert(src, dst, n);
+  }
+}
+
+// n rows of In (row i at X + i * ld) as T: X itself when In is T, else the rows converted into buf
+// (n x D, ld becomes D). The operand of a product read in place, or from scratch.
+template <typename T, typename In>
+const T* rows_as(const In* X, int64_t n, int64_t D, int64_t& ld, T* buf) {
+  if constexpr (std::is_same_v<T, In>) {
+    return X;
+  } else {
+    for (int64_t i = 0; i < n; ++i) to_compute(X + i * ld, buf + i * D, D);
+    ld = D;
+    return buf;
+  }
+}
+
+// The dot product of two rows of n elements, in T.
+template <typename T, typename In>
+T row_dot(const In* a, const In* b, int64_t n) {
+  using V = Vectorized<T>;
+  V acc(T(0));
+  int64_t j = 0;
+  for (; j + V::size() <= n; j += V::size()) acc = at::vec::fmadd(load_as<T>(a + j), load_as<T>(b + j), acc);
+  if (j < n) acc = at::vec::fmadd(load_as<T>(a + j, n - j), load_as<T>(b + j, n - j), acc);
+  return at::vec::vec_reduce_all<T>([](V& p, V& q) { return p + q; }, acc);
+}
+
 // n rounded up to whole vectors of T (buffers read and written a vector at a time).
 template <typename T>
 constexpr int64_t whole_vectors(int64_t n) {
