@@ -14,7 +14,7 @@ IMPLEMENTED = registry.names()
 
 CAUSAL = ["sdpa", "topk", "moba", "linear"]  # the registered ops with a causal form
 #: the registered ops without attention probabilities: dropout_p > 0 is a ValueError
-NO_DROPOUT = ["linear", "nystrom", "flatten", "inline", "pola", "mhla", "ttt_linear"]
+NO_DROPOUT = ["linear", "nystrom", "flatten", "inline", "pola", "mhla", "ttt_linear", "ttt_mlp"]
 
 
 def qkv(B=2, H=4, Hkv=2, Nq=37, Nk=37, D=8, dtype=F64, device="cpu"):
@@ -57,6 +57,7 @@ def _small(name: str) -> dict:
         "nystrom": {"num_landmarks": 4},
         "mhla": {"num_blocks": 4},
         "ttt_linear": {"mini_batch_size": 8, "inner_lr": 0.1},
+        "ttt_mlp": {"mini_batch_size": 8},
         "nsa": {"block_size": 4, "topk": 2, "window": 3},
     }.get(name, {})
 
@@ -68,5 +69,6 @@ LAYER_EXTRAS = {
     "pola": {"power", "feature_scale"},
     "mhla": {"mixing"},
     "ttt_linear": {"inner"},
+    "ttt_mlp": {"inner"},
     "nsa": {"gate_proj"},
 }

@@ -28,6 +28,7 @@ from mita.ops.mhla import mhla_attention, mhla_attention_reference
 from mita.ops.nsa import nsa_attention, nsa_attention_reference
 from mita.ops.polaformer import polarity_linear_attention, polarity_linear_attention_reference
 from mita.ops.ttt import ttt_linear_attention, ttt_linear_attention_reference
+from mita.ops.ttt_mlp import ttt_mlp_attention, ttt_mlp_attention_reference
 from test_ops_nsa import SMALL
 from test_ops_padding import _check_padding_is_inert
 
@@ -78,6 +79,13 @@ def ttt_mini_batches(H: int, Hkv: int, Nq: int, D: int) -> dict:
     """A learned initial model, mini-batches of 4 keys, a small learning rate (several stable steps)."""
     w0 = (0.1 * torch.randn(Hkv, D, D, dtype=F64)).requires_grad_()
     return {"initial_weight": w0, "mini_batch_size": 4, "inner_lr": 0.05}
+
+
+def ttt_mlp_learned(H: int, Hkv: int, Nq: int, D: int) -> dict:
+    """A learned initial MLP of hidden width 4 D, mini-batches of 4 keys (several steps)."""
+    w1 = (0.5 * torch.randn(Hkv, D, 4 * D, dtype=F64)).requires_grad_()
+    w2 = (0.5 * torch.randn(Hkv, 4 * D, D, dtype=F64)).requires_grad_()
+    return {"weight1": w1, "weight2": w2, "mini_batch_size": 4, "inner_lr": 0.3}
 
 
 def mhla_blocks(H: int, Hkv: int, Nq: int, D: int) -> dict:
@@ -135,6 +143,15 @@ PAIRS = {
         {"mini_batch_size": 5, "inner_lr": 0.1, "initial_weight": 0.1 * torch.eye(8, dtype=F64)},
         truncated=({}, {"mini_batch_size": 7, "inner_lr": 0.1}),
         gradcheck=ttt_mini_batches,
+        tolerance=(1e-9, 1e-11),
+    ),
+    "ttt_mlp": Pair(  # the inner gradient written out against torch.autograd.grad
+        ttt_mlp_attention,
+        ttt_mlp_attention_reference,
+        {"full-batch": no_options, "mini-batches": ttt_mlp_learned},
+        {"mini_batch_size": 5, "inner_lr": 0.5},
+        truncated=({}, {"mini_batch_size": 7}),
+        gradcheck=ttt_mlp_learned,
         tolerance=(1e-9, 1e-11),
     ),
     "mhla": Pair(

@@ -11,7 +11,7 @@ from _zoo import IMPLEMENTED
 from mita import attention as registry
 
 
-@pytest.mark.parametrize("name", ["nope", "ttt", "deformable"])
+@pytest.mark.parametrize("name", ["nope", "linformer", "deformable"])
 def test_unknown_or_unimplemented_names_list_the_valid_ones(name):
     with pytest.raises(ValueError, match=f"{name}.*valid names: ") as err:
         registry.build_layer(name, 32, 4)
@@ -29,13 +29,12 @@ def test_taxonomy_rows_have_five_filled_dimensions():
     rows = list(csv.DictReader(io.StringIO(registry.taxonomy_table("csv"))))
     assert [r["method"] for r in rows] == registry.names(implemented=False)
     assert {r["method"] for r in rows if r["implemented"] == "no"} >= {
-        "ttt",
         "linformer",
         "deformable",
         "swin",
         "performer",
     }
-    assert {r["method"] for r in rows if r["implemented"] == "yes"} == set(IMPLEMENTED)
+    assert {r["method"] for r in rows if r["implemented"] == "yes"} == set(IMPLEMENTED) >= {"ttt_linear", "ttt_mlp"}
     for row in rows:
         assert all(row[f].strip() for f in registry.Taxonomy.FIELDS), row
         assert row["cost per head (FLOPs)"].strip(), row
@@ -64,12 +63,27 @@ def test_flops_follow_the_cost_model(name):
         assert registry.flops(name, 2 * n, d) < 2.5 * cost
 
 
+def test_ttt_mlp_taxonomy_row():
+    """TTT-MLP took the place of the not-implemented TTT row: an arbitrary learned model, cost O(N D h)."""
+    row = next(r for r in csv.DictReader(io.StringIO(registry.taxonomy_table("csv"))) if r["method"] == "ttt_mlp")
+    assert row["implemented"] == "yes"
+    assert [row[f] for f in registry.Taxonomy.FIELDS] == [
+        "compression",
+        "1",
+        "arbitrary (a learned model)",
+        "content-dependent (test-time training)",
+        "all-to-one",
+    ]
+    assert "ttt" not in registry.names(implemented=False)
+
+
 def test_flops_closed_forms():
     assert registry.flops("mita", 1024, 64) == 1024 * 64 * (8 * 64 + 4 * 64)
     assert registry.flops("mita_shared:num_landmarks=16", 1024, 64) == 1024 * 64 * 8 * 16
     assert registry.flops("mita_routed:num_landmarks=16,topk=8", 1024, 64) == 1024 * 64 * (4 * 16 + 4 * 8)
     assert registry.flops("topk:topk=1024", 1024, 64) == registry.flops("sdpa", 1024, 64)
     assert registry.flops("linear", 1024, 64) == 4 * 1024 * 64 * 64 + 4 * 1024 * 64
+    assert registry.flops("ttt_mlp", 1024, 64) == 14 * 1024 * 64 * (4 * 64)
     assert registry.flops("moba:block_size=64,topk=16", 1024, 64) == 2 * 1024 * 16 * 64 + 4 * 1024 * 1024 * 64
 
 

@@ -14,4 +14,5 @@ def test_taxonomy_command_prints_markdown(capsys):
     implemented = set(registry.names())
     for name in registry.names(implemented=False):
         assert any(line.startswith(f"| {name} | {'yes' if name in implemented else 'no'} |") for line in lines)
+    assert any(line.startswith("| ttt_mlp | yes | compression | 1 | arbitrary (a learned model) |") for line in lines)
     assert any("| no |" in line for line in lines)  # the paper's methods the library does not implement

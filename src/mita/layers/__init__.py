@@ -7,7 +7,7 @@ from .mhla import MHLAAttention
 from .mita import MiTAAttention, MiTAVisionAttention
 from .nsa import NSAAttention
 from .op import OpAttention
-from .ttt import TTTLinearAttention
+from .ttt import TTTLinearAttention, TTTMLPAttention
 
 __all__ = [
     "AgentAttention",
@@ -21,4 +21,5 @@ __all__ = [
     "OpAttention",
     "PolaAttention",
     "TTTLinearAttention",
+    "TTTMLPAttention",
 ]

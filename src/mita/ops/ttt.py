@@ -27,7 +27,7 @@ import numbers
 
 import torch
 
-from .checks import check_int
+from .checks import AttentionArgs, check_int
 from .common import grouped_heads
 from .kernelized import check_linear, finish
 
@@ -41,33 +41,59 @@ def check_inner_lr(inner_lr: object) -> float:
     return float(inner_lr)
 
 
-def _check(q, k, v, inner_lr, mini_batch_size, initial_weight, key_padding_mask, query_padding_mask, dropout_p):
-    """Checked arguments, the learning rate, the mini-batch size, W_0 (1 or B, Hkv, D, D) and q, k, v."""
-    cfg, q32, k32, v32 = check_linear("TTT-Linear", q, k, v, key_padding_mask, query_padding_mask, dropout_p)
+def inner_tensor(name: str, value: object, dims: tuple[tuple[str, int], ...], like: torch.Tensor) -> torch.Tensor:
+    """An inner model's initial tensor: a float tensor broadcastable to ``dims``, (name, size) pairs such as
+    Hkv, D, D, on ``like``'s device, returned as (1, *sizes) in ``like``'s dtype; it keeps its graph, so a
+    layer can learn it."""
+    shape = tuple(size for _, size in dims)
+    want = "(" + ", ".join(f"{key}={size}" for key, size in dims) + ")"
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        raise TypeError(f"{name} must be a float tensor of shape {want}, got {type(value).__name__}")
+    if value.device != like.device:
+        raise ValueError(f"{name} is on {value.device} but q is on {like.device}")
+    try:
+        ok = torch.broadcast_shapes(value.shape, shape) == shape
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} of shape {tuple(value.shape)} must broadcast to {want}")
+    return value.to(like.dtype).expand(shape)[None]
+
+
+def check_ttt(
+    name: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    inner_lr: object,
+    mini_batch_size: object,
+    key_padding_mask: torch.Tensor | None,
+    query_padding_mask: torch.Tensor | None,
+    dropout_p: float,
+) -> tuple[AttentionArgs, float, int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the TTT ops share: the checked arguments, the learning rate, the mini-batch size (at most Nk)
+    and q, k, v zero-padded in the accumulation dtype."""
+    cfg, q32, k32, v32 = check_linear(name, q, k, v, key_padding_mask, query_padding_mask, dropout_p)
     lr = check_inner_lr(inner_lr)
     Nk = k.shape[2]
     b = Nk if mini_batch_size is None else check_int("mini_batch_size", mini_batch_size)
+    return cfg, lr, min(b, Nk), q32, k32, v32
+
+
+def _check(q, k, v, inner_lr, mini_batch_size, initial_weight, key_padding_mask, query_padding_mask, dropout_p):
+    """Checked arguments, the learning rate, the mini-batch size, W_0 (1, Hkv, D, D) and q, k, v."""
+    cfg, lr, b, q32, k32, v32 = check_ttt(
+        "TTT-Linear", q, k, v, inner_lr, mini_batch_size, key_padding_mask, query_padding_mask, dropout_p
+    )
     Hkv, D = k.shape[1], k.shape[3]
     if initial_weight is None:
         w0 = k32.new_zeros(1, Hkv, D, D)
-    elif not isinstance(initial_weight, torch.Tensor) or not initial_weight.is_floating_point():
-        raise TypeError(f"initial_weight must be a float tensor of shape (Hkv={Hkv}, D={D}, D={D}) or None")
-    elif initial_weight.device != q.device:
-        raise ValueError(f"initial_weight is on {initial_weight.device} but q is on {q.device}")
     else:
-        try:
-            ok = torch.broadcast_shapes(initial_weight.shape, (Hkv, D, D)) == (Hkv, D, D)
-        except RuntimeError:
-            ok = False
-        if not ok:
-            raise ValueError(
-                f"initial_weight of shape {tuple(initial_weight.shape)} must broadcast to (Hkv={Hkv}, D={D}, D={D})"
-            )
-        w0 = initial_weight.to(k32.dtype).expand(Hkv, D, D)[None]
-    return cfg, lr, min(b, Nk), w0, q32, k32, v32
+        w0 = inner_tensor("initial_weight", initial_weight, (("Hkv", Hkv), ("D", D), ("D", D)), k32)
+    return cfg, lr, b, w0, q32, k32, v32
 
 
-def _real(cfg, k: torch.Tensor) -> torch.Tensor:
+def real_tokens(cfg: AttentionArgs, k: torch.Tensor) -> torch.Tensor:
     """(B, Nk) in k's dtype: 1 for a real key, 0 for a padded one."""
     if cfg.key_mask is None:
         return k.new_ones(k.shape[0], k.shape[2])
@@ -104,7 +130,7 @@ def ttt_linear_attention_reference(
 
     per_token = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))  # over the tokens of a mini-batch
     per_head = torch.func.vmap(torch.func.vmap(per_token))  # over batch elements and kv heads
-    real = _real(cfg, k32)
+    real = real_tokens(cfg, k32)
     w = w.expand(k.shape[0], -1, -1, -1)
     for start in range(0, k.shape[2], b):
         grads = per_head(w, k32[:, :, start : start + b], v32[:, :, start : start + b])  # (B, Hkv, b, D, D)
@@ -146,7 +172,7 @@ def ttt_linear_attention(
     cfg, lr, b, w, q32, k32, v32 = _check(
         q, k, v, inner_lr, mini_batch_size, initial_weight, key_padding_mask, query_padding_mask, dropout_p
     )
-    real = _real(cfg, k32)
+    real = real_tokens(cfg, k32)
     for start in range(0, k.shape[2], b):
         kt, vt = k32[:, :, start : start + b], v32[:, :, start : start + b]
         n = real[:, start : start + b].sum(1).clamp(min=1)[:, None, None, None]
