@@ -229,3 +229,19 @@ def test_plots_are_written_where_a_line_has_two_points(tmp_path) -> None:
     assert [p.name for p in sweep.plot(tmp_path, at_p)] == ["acc_vs_length_at_p.png"]
     ratio = [row("sdpa", 64, 8, 1.0), row("sdpa", 128, 16, 0.9), row("sdpa", 128, 32, 0.8)]
     assert [p.name for p in sweep.plot(tmp_path, ratio)] == ["acc_vs_pairs.png", "acc_vs_length.png"]
+
+
+def test_sweep_checks_overrides_at_each_cells_length(tmp_path, monkeypatch, capsys):
+    """A length mixture longer than the default N is valid at the cells' N (the N = 512 sweep of
+    docs/zoo.md), and one too long for a cell is refused before any run."""
+    from mita_experiments.cli import main
+    from mita_experiments.recall import sweep
+
+    cell = sweep.grid(["sdpa"], [512], pairs=[32])[0]
+    cfg = sweep.cell_config(cell, ["data.vocab_size=128", "data.train_lengths=[64,128,256]"], batch_tokens=4096)
+    assert cfg["data"]["seq_len"] == 512 and cfg["data"]["train_lengths"] == [64, 128, 256]
+    assert cfg["train"]["batch_size"] == 8  # min(32, 4096 // 512)
+    monkeypatch.setattr(sweep, "run_cell", lambda *a, **k: pytest.fail("a cell ran before the checks"))
+    args = ["recall", "sweep", "--out", str(tmp_path), "--methods", "sdpa", "--lengths", "512", "256", "--pairs", "8"]
+    assert main([*args, "--set", "data.train_lengths=[64,300]", "--no-progress"]) == 2
+    assert "train lengths must be in 4 .. seq_len-1 = 255, got 300" in capsys.readouterr().err

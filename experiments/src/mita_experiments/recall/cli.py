@@ -67,10 +67,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from . import sweep
 
     cells = sweep.grid(args.methods, args.lengths, args.pairs, args.ratio, args.seeds)
-    if args.set:
-        from . import task
-
-        task.config(overrides=args.set)  # fail on a bad override before the first run
+    for cell in cells:  # fail on a bad override, at any cell's N, before the first run
+        sweep.cell_config(cell, args.set or [], args.batch_tokens)
     for row in sweep.sweep(cells, args.out, args.set, args.batch_tokens, progress=not args.no_progress):
         print(json.dumps(row), flush=True)
     for path in sweep.plot(args.out):

@@ -108,6 +108,21 @@ def status(prev: float, last: float) -> str:
     return "flat" if abs(last - prev) < 0.01 else "rising"
 
 
+def cell_config(cell: Cell, overrides: list[str], batch_tokens: int | None = None) -> dict[str, Any]:
+    """The checked configuration of one cell: the sweep's ``overrides`` (``section.key=value``), then the
+    grid's values, which win (so an override such as ``data.train_lengths`` is checked against the
+    cell's N, not the default's). ``batch_tokens``: the batch is min(train.batch_size,
+    batch_tokens // N) sequences (the same tokens per step at every N)."""
+    grid_values = {"data.seq_len": cell.seq_len, "data.num_pairs": cell.num_pairs}
+    grid_values |= {"train.seed": cell.seed, "data.seed": cell.seed}
+    kept = [item for item in overrides if item.split("=", 1)[0].strip() not in grid_values]
+    cfg = task.config(overrides=[*kept, *(f"{key}={value}" for key, value in grid_values.items())])
+    if batch_tokens is not None:
+        batch = max(1, min(int(cfg["train"]["batch_size"]), batch_tokens // cell.seq_len))
+        cfg = apply_overrides(cfg, {"train.batch_size": batch})
+    return cfg
+
+
 def run_cell(
     cell: Cell,
     out: Path,
@@ -116,18 +131,9 @@ def run_cell(
     progress: bool = False,
     tensorboard: bool = True,
 ) -> dict[str, Any]:
-    """Train (or resume) one cell and return its results row. ``batch_tokens``: the batch is
-    min(train.batch_size, batch_tokens // N) sequences (the same tokens per step at every N)."""
-    cfg = task.config(overrides=overrides)
-    cell_values: dict[str, Any] = {  # the grid's values win over the sweep's --set
-        "data.seq_len": cell.seq_len,
-        "data.num_pairs": cell.num_pairs,
-        "train.seed": cell.seed,
-        "data.seed": cell.seed,
-    }
-    if batch_tokens is not None:
-        cell_values["train.batch_size"] = max(1, min(int(cfg["train"]["batch_size"]), batch_tokens // cell.seq_len))
-    cfg = apply_overrides(cfg, cell_values)
+    """Train (or resume) one cell and return its results row (``overrides`` and ``batch_tokens`` as
+    :func:`cell_config` takes them)."""
+    cfg = cell_config(cell, overrides, batch_tokens)
     run_dir = out / "runs" / cell.name
     resume = (run_dir / trainer.CHECKPOINT).exists()  # a folder killed before its first checkpoint is reused
     data = task.task_data(cfg["data"])
