@@ -71,6 +71,9 @@ def test_quick_rows_ratios_follow_their_definitions(quick_run: Path) -> None:
 
 def test_matmul_rate_is_a_rate_and_checks_its_arguments() -> None:
     assert 0.01 < timing.matmul_rate("float32", size=64, repeats=3) < 1e6  # GFLOP/s of a 64^3 product
+    start = time.perf_counter()
+    assert timing.matmul_rate("bfloat16", repeats=2) > 0  # slow without bf16 hardware: the size stays small
+    assert time.perf_counter() - start < 30
     with pytest.raises(ValueError, match="matmul_rate needs dtype"):
         timing.matmul_rate("int8")
     with pytest.raises(ValueError, match="size >= 1"):

@@ -25,6 +25,7 @@ medians taken minutes apart moves with the drift, one of medians over the same r
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import statistics
@@ -177,23 +178,30 @@ def time_call(
 
 
 def matmul_rate(dtype: str = "float32", device: str = "cpu", size: int = 2048, repeats: int = 10) -> float:
-    """The machine's matmul rate in GFLOP/s: ``size`` x ``size`` by ``size`` x ``size`` in ``dtype`` on
-    ``device`` with the current torch threads, from the fastest of ``repeats`` calls after one warm-up.
+    """The machine's matmul rate in GFLOP/s: square products in ``dtype`` on ``device`` with the current
+    torch threads, from the fastest of ``repeats`` calls after one warm-up.
 
-    The physical limit an attention's products run against (in that dtype: bfloat16 on AMX runs
-    several times float32's rate), beside the FLOP model's ideal speed-up, which only compares
-    FLOP counts. The fastest call, not the median: a limit is what the machine can do, and a busy
-    or drifting VM only ever slows a call (medians of 2,048^3 products on a 2-core VM varied
-    90-162 GFLOP/s between runs minutes apart)."""
+    The product grows from 128 by doubling up to ``size`` while one call takes under 50 ms, so that a
+    dtype the CPU has no fast path for (bfloat16 without AMX or AVX512-BF16: about 1 GFLOP/s on an
+    AVX2 Zen 3) costs a second, not minutes. The physical limit an attention's products run against,
+    beside the FLOP model's ideal speed-up, which only compares FLOP counts. The fastest call, not
+    the median: a limit is what the machine can do, and a busy or drifting VM only ever slows a call
+    (medians of 2,048^3 products on a 2-core VM varied 90-162 GFLOP/s between runs minutes apart)."""
     if dtype not in DTYPES or size < 1 or repeats < 1:
         raise ValueError(
             f"matmul_rate needs dtype in {sorted(DTYPES)}, size >= 1, repeats >= 1; got {dtype}, {size}, {repeats}"
         )
     gen = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(size, size, generator=gen).to(device=device, dtype=DTYPES[dtype]) for _ in range(2))
-    _timed(lambda: a @ b, device)
-    fastest = min(_timed(lambda: a @ b, device) for _ in range(repeats))
-    return 2 * size**3 / fastest / 1e9
+    n = min(128, size)
+    while True:
+        a, b = (torch.randn(n, n, generator=gen).to(device=device, dtype=DTYPES[dtype]) for _ in range(2))
+        product = functools.partial(torch.matmul, a, b)
+        first = _timed(product, device)  # the warm-up, and the size test
+        if first >= 0.05 or n >= size:
+            break
+        n = min(2 * n, size)
+    fastest = min(_timed(product, device) for _ in range(repeats))
+    return 2 * n**3 / fastest / 1e9
 
 
 def _profiler(*, cuda: bool, profile_memory: bool = False) -> torch.profiler.profile:
