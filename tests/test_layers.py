@@ -143,7 +143,9 @@ BAD_OPTIONS = {
     ],
     "ttt_mlp": [
         ({"inner_lr": float("nan")}, "inner_lr must be a finite float >= 0"),
+        ({"inner_lr": -1.0}, "inner_lr must be a finite float >= 0"),
         ({"mini_batch_size": 2.5}, "mini_batch_size must be an int >= 1"),
+        ({"mini_batch_size": 0}, "mini_batch_size must be an int >= 1"),
     ],
     "nsa": [({"window": -1}, "window must be an int >= 0"), ({"topk": 0}, "topk must be an int >= 1")],
 }

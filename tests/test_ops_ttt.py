@@ -79,11 +79,3 @@ def test_layer_learns_its_initial_model():
 
 def test_layer_adds_only_its_initial_model():
     assert_layer_extras("ttt_linear", {}, {"inner"})
-
-
-@pytest.mark.parametrize(
-    ("options", "match"), [({"inner_lr": -1.0}, "inner_lr"), ({"mini_batch_size": 0}, "mini_batch_size")]
-)
-def test_layer_errors(options, match):
-    with pytest.raises(ValueError, match=match):
-        registry.build_layer({"name": "ttt_linear", **options}, 32, 4)
