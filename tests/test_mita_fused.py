@@ -90,7 +90,15 @@ def test_fused_matches_grouped_across_blocks(case: Case) -> None:
         assert torch.equal(r.experts, rr.experts) and torch.equal(r.routes, rr.routes)
 
 
-FLOAT32 = [*LARGE, Case(B=2, H=3, N=700, D=24, m=9, k=40, s=2), Case(B=1, H=2, N=197, D=40, m=25, k=25, s=1)]
+FLOAT32 = [
+    *LARGE,
+    Case(B=2, H=3, N=700, D=24, m=9, k=40, s=2),
+    Case(B=1, H=2, N=197, D=40, m=25, k=25, s=1),
+    # one expert of 256 queries: scratch rows of 256 floats are padded (padded_ld), forward's and
+    # backward's small-expert paths, and the gate's full query block
+    Case(B=1, H=2, N=256, D=64, m=1, k=48, s=1),
+    Case(B=1, H=2, N=256, D=16, m=1, k=32, s=1),
+]
 
 
 @pytest.mark.parametrize("case", FLOAT32, ids=[str(c) for c in FLOAT32])

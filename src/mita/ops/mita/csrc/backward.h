@@ -38,9 +38,9 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
 
   at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
     const SingleThreadedBlas blas;
-    const int64_t nbuf = std::max({kQueryBlock, kKeyBlock, topk});
+    const int64_t nbuf = std::max({padded_ld<T>(kQueryBlock), kKeyBlock, topk});
     std::vector<T> delta(Nq), dvs(m * D), rowdot(m), P(nbuf * std::max(m, topk)), dP(nbuf * std::max(m, topk));
-    std::vector<T> Qb(kQueryBlock * D), dOb(kQueryBlock * D), dQb(kQueryBlock * D), Ke(topk * D), Ve(topk * D),
+    std::vector<T> Qb(padded_ld<T>(kQueryBlock) * D), dOb(padded_ld<T>(kQueryBlock) * D), dQb(kQueryBlock * D), Ke(topk * D), Ve(topk * D),
         dKe(topk * D), dVe(topk * D);
     // Half precision: a key block converted, and the head's gradients in T until rounded at its end.
     std::vector<T> Kb(half ? kKeyBlock * D : 0), Vb(half ? kKeyBlock * D : 0), dQf(half ? Nq * D : 0),
@@ -69,7 +69,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
       // the queries as lanes).
       for (int64_t t0 = 0; t0 < Nq; t0 += kQueryBlock) {
         using V = Vectorized<T>;
-        const int64_t nq = std::min(kQueryBlock, Nq - t0), ld = whole_vectors<T>(nq);
+        const int64_t nq = std::min(kQueryBlock, Nq - t0), ld = padded_ld<T>(nq);
         T *Pt = P.data(), *dPt = dP.data();
         int64_t lq = qs, ldo = dos;
         const T* Qt0 = rows_as(Qx + t0 * qs, nq, D, lq, Qb.data());
@@ -145,7 +145,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         // the same with BLAS-shaped buffers, tried first, measured no gain).
         if (n_e <= kQueryBlock && n_e * kk * D <= kSmallBackward) {
           using V = Vectorized<T>;
-          const int64_t ld = whole_vectors<T>(n_e);
+          const int64_t ld = padded_ld<T>(n_e);
           T *Qt = Qb.data(), *dOt = dOb.data(), *Pt = P.data(), *dPt = dP.data();
           const auto qrow = [&](int64_t i) { return Qx + (mem[i] / s) * qs; };
           const auto dorow = [&](int64_t i) { return dOx + (mem[i] / s) * dos; };

@@ -44,9 +44,9 @@ struct Forward {
     std::vector<int32_t> index;
     std::vector<int64_t> order;
     Scratch(const Forward& f, int64_t rows)
-        : S(rows * kKeyBlock), mx(rows), sum(rows), Gt(kQueryBlock * f.m), Ke(f.topk * f.D), Ve(f.topk * f.D),
-          Qb(kQueryBlock * f.D), Sb(kQueryBlock * std::max(f.topk, f.m)), Ob(kQueryBlock * f.D), lse(kQueryBlock),
-          a(kQueryBlock), w(kQueryBlock), keys(rows * (f.topk + kKeyBlock + 2 * Vectorized<Key>::size())),
+        : S(rows * kKeyBlock), mx(rows), sum(rows), Gt(padded_ld<T>(kQueryBlock) * f.m), Ke(f.topk * f.D), Ve(f.topk * f.D),
+          Qb(padded_ld<T>(kQueryBlock) * f.D), Sb(padded_ld<T>(kQueryBlock) * std::max(f.topk, f.m)), Ob(kQueryBlock * f.D), lse(padded_ld<T>(kQueryBlock)),
+          a(padded_ld<T>(kQueryBlock)), w(padded_ld<T>(kQueryBlock)), keys(rows * (f.topk + kKeyBlock + 2 * Vectorized<Key>::size())),
           block_keys(kKeyBlock), index(rows * (f.topk + kKeyBlock + 2 * Vectorized<Key>::size())), order(f.m),
           Kb(kHalf ? kKeyBlock * f.D : 0), Vb(kHalf ? kKeyBlock * f.D : 0) {}
   };
@@ -125,7 +125,7 @@ struct Forward {
     using V = Vectorized<T>;
     const T ninf = -std::numeric_limits<T>::infinity();
     const bool* qm = query_mask ? query_mask + (x / H) * Nq : nullptr;
-    const int64_t ld = whole_vectors<T>(nq);
+    const int64_t ld = padded_ld<T>(nq);
     T* Gt = sc.Gt.data();
     int64_t lq = qr.st;
     const T* Qb = rows_as(qx(x) + t0 * qr.st, nq, D, lq, sc.Qb.data());
@@ -232,7 +232,7 @@ struct Forward {
     const In* Kx = kx(x);
     const In* Vx = vx(x);
     T *Qt = sc.Qb.data(), *St = sc.Sb.data();
-    const int64_t ld = whole_vectors<T>(nb);  // no masked loads
+    const int64_t ld = padded_ld<T>(nb);  // no masked loads
     if (Nk * D * int64_t(sizeof(T)) > kPrefetchAbove) {
       for (int64_t i = 0; i < nb; ++i) prefetch_row(qx(x) + (mem[i] / s) * qr.st, D);
       for (int64_t j = 0; j < kk; ++j) {

@@ -202,7 +202,7 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, int64_t
     thread_local std::vector<float> a_t, b_t;
     // X (rows x cols, row stride ld) as its transpose in buf; ld becomes the transpose's row stride.
     const auto transposed = [](const float* X, int64_t rows, int64_t cols, int64_t& ld, std::vector<float>& buf) {
-      const int64_t out = whole_vectors<float>(rows);
+      const int64_t out = padded_ld<float>(rows);
       buf.resize(cols * out);
       rows_as_columns(rows, cols, out, 1.f, [&](int64_t i) { return X + i * ld; }, buf.data());
       ld = out;
