@@ -12,7 +12,7 @@ from _pairs import (
 )
 from _zoo import F64, dense, padding, qkv
 from mita import attention as registry
-from mita.ops.nsa import nsa_attention, nsa_attention_reference
+from mita.ops.nsa import block_means, key_blocks, nsa_attention, nsa_attention_reference
 from test_ops_padding import _check_padding_is_inert
 
 PATHS = [nsa_attention, nsa_attention_reference]
@@ -136,12 +136,50 @@ def test_dropout_drops_branch_probabilities():
         ({"chunk_size": 0}, ValueError, "chunk_size must be an int >= 1"),
         ({"dropout_p": 1.0}, ValueError, "dropout_p"),
         ({"scale": -1.0}, ValueError, "scale"),
+        ({"block_size": 4, "compressed": torch.ones(2, 2, 4, 8)}, TypeError, "compressed must be a pair"),
+        (
+            {"block_size": 4, "compressed": (torch.ones(2, 2, 3, 8, dtype=F64),) * 2},
+            ValueError,
+            r"compressed k_cmp must be .* = \(2, 2, 2, 8\)",
+        ),
+        (
+            {"block_size": 4, "compressed": (torch.ones(2, 2, 2, 8, dtype=F64), None)},
+            ValueError,
+            "compressed v_cmp must be",
+        ),
+        ({"block_size": 4, "compressed": (torch.ones(2, 2, 2, 8),) * 2}, ValueError, "of k's dtype and device"),
     ],
 )
 def test_errors_name_the_argument(options, error, match):
     q, k, v = qkv(Nq=7, Nk=7)
     with pytest.raises(error, match=match):
         nsa_attention(q, k, v, **options)
+
+
+@pytest.mark.parametrize("op", PATHS, ids=["fast", "ref"])
+def test_given_block_means_are_the_default_and_other_tokens_change_only_the_compressed_branch(op):
+    q, k, v = qkv(Nq=13, Nk=13)
+    mask = padding(2, 13, [13, 9])
+    real = mask
+    means = tuple(block_means(*key_blocks(t.masked_fill(~real[:, None, :, None], 0), real, 4)) for t in (k, v))
+    torch.testing.assert_close(
+        op(q, k, v, key_padding_mask=mask, compressed=means, **SMALL), op(q, k, v, key_padding_mask=mask, **SMALL)
+    )
+    other = (means[0], means[1] + 1.0)  # values moved by 1: only the compressed branch's output moves, by g_cmp
+    gates = torch.tensor([0.5, 1.0, 1.0], dtype=F64)
+    moved = op(q, k, v, key_padding_mask=mask, compressed=other, gates=gates, **SMALL)
+    base = op(q, k, v, key_padding_mask=mask, compressed=means, gates=gates, **SMALL)
+    torch.testing.assert_close(moved - base, 0.5 * mask[:, None, :, None].to(F64).expand_as(base))
+
+
+def test_key_blocks_pad_the_last_block_and_mark_real_slots():
+    t = torch.arange(2 * 1 * 5 * 2, dtype=F64).view(2, 1, 5, 2)
+    real = padding(2, 5, [5, 3])
+    blocks, slots = key_blocks(t, real, 2)
+    assert blocks.shape == (2, 1, 3, 2, 2) and slots.shape == (2, 3, 2)
+    assert (blocks[:, :, 2, 1] == 0).all() and slots[0].tolist() == [[True, True], [True, True], [True, False]]
+    assert slots[1].tolist() == [[True, True], [True, False], [False, False]]
+    torch.testing.assert_close(block_means(blocks * slots[:, None, :, :, None], slots)[1, 0, 1], t[1, 0, 2])
 
 
 def test_layer_gates_come_from_the_input():
@@ -163,10 +201,39 @@ def test_layer_gates_come_from_the_input():
 
 def test_layer_adds_only_its_gates():
     assert_layer_extras("nsa", {}, {"gate_proj"})
+    assert_layer_extras("nsa", {"compression": "mlp"}, {"gate_proj", "compress_k", "compress_v"})
+
+
+def test_learned_compression_starts_as_block_means_and_learns():
+    """compression="mlp": a new layer equals compression="mean" (its MLP's output layer starts at zero),
+    padded keys do not reach the compressor, and every compressor parameter gets a gradient once trained."""
+    torch.manual_seed(0)
+    mean = registry.build_layer("nsa:block_size=4,topk=2,window=3", 32, 4)
+    mlp = registry.build_layer("nsa:block_size=4,topk=2,window=3,compression=mlp", 32, 4)
+    mlp.load_state_dict(mean.state_dict(), strict=False)
+    x, mask = torch.randn(2, 17, 32), padding(2, 17, [17, 11])
+    torch.testing.assert_close(mlp(x, attn_mask=mask), mean(x, attn_mask=mask))
+    with torch.no_grad():
+        for p in mlp.compress_v.fc2.parameters():
+            p.normal_()
+    y = mlp(x, attn_mask=mask)
+    x2 = x.clone()
+    x2[1, 11:] = 1e3  # padded tokens changed: nothing real moves
+    torch.testing.assert_close(mlp(x2, attn_mask=mask)[:, :11], y[:, :11])
+    y.square().sum().backward()
+    for name, p in mlp.named_parameters():
+        if name.startswith("compress_v"):
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
 @pytest.mark.parametrize(
-    ("options", "match"), [({"window": -1}, "window"), ({"topk": 0}, "topk"), ({"chunk_size": 0}, "chunk_size")]
+    ("options", "match"),
+    [
+        ({"window": -1}, "window"),
+        ({"topk": 0}, "topk"),
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"compression": "conv"}, r"compression must be one of \('mean', 'mlp'\), got 'conv'"),
+    ],
 )
 def test_layer_errors(options, match):
     with pytest.raises(ValueError, match=match):

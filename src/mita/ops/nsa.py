@@ -5,8 +5,9 @@ Three branches over the keys, each a softmax attention, mixed by gates:
 out = g_cmp o_cmp + g_slc o_slc + g_win o_win.
 
 - compression: the keys are cut into blocks of ``block_size`` (the last may be short) and each
-  block is compressed to one token, the mean of its real keys and values (a block mean, not the
-  paper's learned MLP with intra-block positions; blocks do not overlap, stride = block size);
+  block is compressed to one token: by default the mean of its real keys and values, or the
+  tokens passed as ``compressed`` (the paper's learned MLP with intra-block positions is the
+  layer's ``compression="mlp"``); blocks do not overlap (stride = block size);
   o_cmp is attention over the compressed tokens;
 - selection: each query attends to every key of its ``topk`` blocks with the largest
   compressed-attention probabilities, summed over the query heads of a GQA group so that the
@@ -66,15 +67,41 @@ def _check(q, k, v, block_size, topk, window, gates, key_padding_mask, query_pad
     return cfg, gates, q, k, v
 
 
-def _compress(k: torch.Tensor, v: torch.Tensor, real: torch.Tensor, block_size: int):
-    """Block means of the real keys and values, (B, Hkv, nb, D) each, and whether a block holds a real key (B, nb)."""
-    B, Hkv, Nk, D = k.shape
+def key_blocks(t: torch.Tensor, real: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys (or values) ``t`` (B, Hkv, Nk, D) cut into blocks, (B, Hkv, nb, block_size, D) with
+    nb = ceil(Nk / block_size), the last block zero-filled past Nk, and which slots hold a real key
+    (B, nb, block_size), from ``real`` (B, Nk): what a learned compression reads."""
+    B, Hkv, Nk, D = t.shape
     nb = math.ceil(Nk / block_size)
     pad = nb * block_size - Nk
-    count = F.pad(real, (0, pad)).view(B, nb, block_size).sum(-1)  # padded keys and values are zero
-    den = count.clamp(min=1).to(k.dtype)[:, None, :, None]
-    means = [F.pad(t, (0, 0, 0, pad)).reshape(B, Hkv, nb, block_size, D).sum(3) / den for t in (k, v)]
-    return *means, count > 0
+    return F.pad(t, (0, 0, 0, pad)).view(B, Hkv, nb, block_size, D), F.pad(real, (0, pad)).view(B, nb, block_size)
+
+
+def block_means(blocks: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """The mean of each block's real rows (B, Hkv, nb, D), from :func:`key_blocks`' output (padded rows zero)."""
+    den = real.sum(-1).clamp(min=1).to(blocks.dtype)[:, None, :, None]
+    return blocks.sum(3) / den
+
+
+def _compress(k, v, real, block_size: int, compressed: tuple[torch.Tensor, torch.Tensor] | None):
+    """The compressed keys and values, (B, Hkv, nb, D) each: ``compressed`` where given, else the block
+    means of the real keys and values; and whether a block holds a real key (B, nb)."""
+    B, Hkv, Nk, D = k.shape
+    nb = math.ceil(Nk / block_size)
+    valid = F.pad(real, (0, nb * block_size - Nk)).view(B, nb, block_size).any(-1)
+    if compressed is None:
+        return *(block_means(*key_blocks(t, real, block_size)) for t in (k, v)), valid
+    shape = (B, Hkv, nb, D)
+    if not (isinstance(compressed, (tuple, list)) and len(compressed) == 2):
+        raise TypeError("compressed must be a pair (k_cmp, v_cmp) of tensors or None")
+    for name, t in zip(("k_cmp", "v_cmp"), compressed):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != k.dtype or t.device != k.device:
+            got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"compressed {name} must be (B, Hkv, ceil(Nk / block_size), D) = {shape} of k's dtype and device "
+                f"({k.dtype} on {k.device}), got {got}"
+            )
+    return *compressed, valid
 
 
 def _attend(logits: torch.Tensor, allowed: torch.Tensor, dropout_p: float) -> torch.Tensor:
@@ -100,9 +127,9 @@ def _select(importance: torch.Tensor, valid: torch.Tensor, topk: int) -> tuple[t
     return blocks, score > float("-inf")
 
 
-def _branches(q, k, v, block_size, topk, cfg, dropout_p):
+def _branches(q, k, v, block_size, topk, cfg, dropout_p, compressed):
     """What both paths share: the compressed branch's output and the selected blocks."""
-    k_cmp, v_cmp, valid = _compress(k, v, key_mask_of(cfg, k), block_size)
+    k_cmp, v_cmp, valid = _compress(k, v, key_mask_of(cfg, k), block_size, compressed)
     out_cmp, importance = _compressed(q, k_cmp, v_cmp, valid, cfg, dropout_p)
     return out_cmp, *_select(importance, valid, topk)
 
@@ -116,6 +143,7 @@ def nsa_attention_reference(
     topk: int = 4,
     window: int = 64,
     gates: torch.Tensor | None = None,
+    compressed: tuple[torch.Tensor, torch.Tensor] | None = None,
     key_padding_mask: torch.Tensor | None = None,
     query_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
@@ -127,7 +155,7 @@ def nsa_attention_reference(
     )
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    out_cmp, blocks, ok = _branches(q, k, v, block_size, topk, cfg, dropout_p)
+    out_cmp, blocks, ok = _branches(q, k, v, block_size, topk, cfg, dropout_p, compressed)
     real = key_mask_of(cfg, k)[:, None, None, None, :]  # (B, 1, 1, 1, Nk)
     nb = math.ceil(Nk / block_size)
     chosen = torch.zeros(B, Hkv, Nq, nb, dtype=torch.bool, device=q.device).scatter(-1, blocks, ok)
@@ -150,6 +178,7 @@ def nsa_attention(
     topk: int = 4,
     window: int = 64,
     gates: torch.Tensor | None = None,
+    compressed: tuple[torch.Tensor, torch.Tensor] | None = None,
     key_padding_mask: torch.Tensor | None = None,
     query_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
@@ -168,6 +197,9 @@ def nsa_attention(
             Default: 64.
         gates (torch.Tensor | None): float, broadcastable to (B, H, Nq, 3): the weights of the compressed,
             selected and window branches. Default: None (all 1).
+        compressed (tuple | None): the compressed block tokens (k_cmp, v_cmp), each (B, Hkv, nb, D) with
+            nb = ceil(Nk / block_size), e.g. the paper's learned compression of :func:`key_blocks`' blocks
+            (the layer's ``compression="mlp"``). Default: None (each block's mean of its real keys and values).
         key_padding_mask (torch.Tensor | None): bool (B, Nk), True = real key. Default: None.
         query_padding_mask (torch.Tensor | None): bool (B, Nq), True = real query. Default: None, which
             in a call with Nq == Nk (self-attention) means the key mask.
@@ -185,7 +217,7 @@ def nsa_attention(
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G, bs = H // Hkv, block_size
-    out_cmp, blocks, ok = _branches(q, k, v, block_size, topk, cfg, dropout_p)
+    out_cmp, blocks, ok = _branches(q, k, v, block_size, topk, cfg, dropout_p, compressed)
     blocks, ok = blocks.repeat_interleave(G, dim=1), ok.repeat_interleave(G, dim=1)  # per query head
     real = key_mask_of(cfg, k)
     nb, n_sel = math.ceil(Nk / bs), blocks.shape[-1]
