@@ -68,6 +68,16 @@ void small_tile_any(int64_t i0, int64_t j0, int64_t K, int64_t last, const AF& a
     small_tile<T, R, NV, false>(i0, j0, K, last, a, as, b, C, ldc, add);
 }
 
+// The widest tile, in vectors: a 4 x kTileVectors tile of accumulators, its kTileVectors rows of B and
+// one broadcast must fit the vector registers. AVX-512 has 32: 4 x 4 (21 live). AVX2 has 16, where
+// 4 x 4 kept four accumulators on the stack (a load and a store around their multiply-adds in the
+// compiled loop, Zen 3): 4 x 3 (16 live).
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kTileVectors = 4;
+#else
+constexpr int kTileVectors = 3;
+#endif
+
 template <typename T, int R, typename AF, typename BF>
 void small_rows(int64_t nv, int64_t i0, int64_t j0, int64_t K, int64_t last, const AF& a, int64_t as, const BF& b,
                 T* C, int64_t ldc, bool add) {
@@ -75,16 +85,17 @@ void small_rows(int64_t nv, int64_t i0, int64_t j0, int64_t K, int64_t last, con
     case 1: return small_tile_any<T, R, 1>(i0, j0, K, last, a, as, b, C, ldc, add);
     case 2: return small_tile_any<T, R, 2>(i0, j0, K, last, a, as, b, C, ldc, add);
     case 3: return small_tile_any<T, R, 3>(i0, j0, K, last, a, as, b, C, ldc, add);
-    default: return small_tile_any<T, R, 4>(i0, j0, K, last, a, as, b, C, ldc, add);
+    default:
+      if constexpr (kTileVectors >= 4) return small_tile_any<T, R, 4>(i0, j0, K, last, a, as, b, C, ldc, add);
   }
 }
 
 template <typename T, typename AF, typename BF>
 void small_gemm(int64_t M, int64_t N, int64_t K, const AF& a, int64_t as, const BF& b, T* C, int64_t ldc,
                 bool add = false) {
-  constexpr int64_t W = Vectorized<T>::size();
-  for (int64_t j0 = 0; j0 < N; j0 += 4 * W) {
-    const int64_t nv = std::min<int64_t>(4, (N - j0 + W - 1) / W), last = std::min(W, N - j0 - (nv - 1) * W);
+  constexpr int64_t W = Vectorized<T>::size(), NV = kTileVectors;
+  for (int64_t j0 = 0; j0 < N; j0 += NV * W) {
+    const int64_t nv = std::min<int64_t>(NV, (N - j0 + W - 1) / W), last = std::min(W, N - j0 - (nv - 1) * W);
     int64_t i0 = 0;
     if (nv == 1)  // one vector a row: 8 rows keep 8 independent multiply-add chains in flight
       for (; i0 + 8 <= M; i0 += 8) small_tile_any<T, 8, 1>(i0, j0, K, last, a, as, b, C, ldc, add);
