@@ -14,6 +14,8 @@ namespace {
 struct Rows {
   int64_t sb = 0, sh = 0, st = 0;
   explicit Rows(const at::Tensor& t) : sb(t.stride(0)), sh(t.stride(1)), st(t.stride(2)) {}
+  // Every head's rows at the same place, st apart (one head's rows in scratch).
+  explicit Rows(int64_t st_) : st(st_) {}
   int64_t head(int64_t b, int64_t h) const { return b * sb + h * sh; }
 };
 
