@@ -57,7 +57,7 @@ struct Forward {
   const In* vx(int64_t x) const { return Vv + vr.head(x / H, (x % H) / G); }
   T* ox(int64_t x) const { return O + outr.head(x / H, x % H); }
 
-  // Rows t0 .. t0+n of head x's out, finished in O, rounded into OUT (nothing to do when In is T).
+  // Rows t0 .. t0+n of head x's out, finished in O, rounded into OUT (large heads; nothing to do when In is T).
   void store_out(int64_t x, int64_t t0, int64_t n) const {
     if constexpr (kHalf)
       for (int64_t t = t0; t < t0 + n; ++t) {
@@ -325,12 +325,13 @@ struct Forward {
     if (bins) pool_head(qx(x), qr.st, m, D, bins, L + x * m * D);
   }
 
-  // This call in float32 with every head's q, k, v rows read from q, k, v (rows D apart), its
-  // outputs where this call's are: run head by head with the head's rows converted there first.
-  Forward<T, T> on_rows(const T* q, const T* k, const T* v) const {
+  // This call in float32 with every head's q, k, v rows read from q, k, v and its output rows
+  // written to o (rows D apart), its other outputs where this call's are: run head by head, the
+  // head's rows converted into q, k, v first and o rounded into OUT after.
+  Forward<T, T> on_rows(const T* q, const T* k, const T* v, T* o) const {
     const Rows dense(D);
-    return {H, Nq, D, Hkv, Nk, m, G, topk, s, scale, lscale, q, k, v, dense, dense, dense, outr, L, bins,
-            key_mask, query_mask, O, VS, LA, LT, LSE, RO, RL, O, E, R, start, members, n_real};
+    return {H, Nq, D, Hkv, Nk, m, G, topk, s, scale, lscale, q, k, v, dense, dense, dense, dense, L, bins,
+            key_mask, query_mask, o, VS, LA, LT, LSE, RO, RL, o, E, R, start, members, n_real};
   }
 
   // Every phase of head x, in turn.
@@ -341,7 +342,6 @@ struct Forward {
     group(x);
     for (int64_t e = 0; e < m; ++e) routed(x, e, sc);
     if (s > 1) merge(x * Nq, (x + 1) * Nq);
-    store_out(x, 0, Nq);
   }
 };
 
@@ -354,8 +354,13 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t Hkv = k.size(1), Nk = k.size(2), m = lm.size(2), X = B * H;
   const auto opts = lm.options();  // T
   at::Tensor lse_shared = at::empty({X, Nq}, opts);
-  // out in T: out itself, or (half precision) a float32 copy of its layout, rounded into out at the end.
-  const at::Tensor out_t = Forward<T, In>::kHalf ? at::empty({B, Nq, H, D}, opts).transpose(1, 2) : out;
+  const int64_t threads = at::get_num_threads();
+  // Small heads (q, k, v within about L2) run all their phases in one task, head by head.
+  const bool by_head = (Nq + 2 * Nk) * D * int64_t(sizeof(T)) <= kSmallHead && X >= threads;
+  constexpr bool half = Forward<T, In>::kHalf;
+  // out in T: out itself, or (half precision, large heads) a float32 copy of its layout, rounded
+  // into out at the end; small heads in half precision write a head's rows in scratch instead.
+  const at::Tensor out_t = !half ? out : by_head ? at::Tensor() : at::empty({B, Nq, H, D}, opts).transpose(1, 2);
   at::Tensor count_t = at::empty({X, m + 1}, opts.dtype(at::kLong));
   at::Tensor members_t = at::empty({X, Nq * s}, opts.dtype(at::kLong));
   at::Tensor routed_out, routed_lse;  // s > 1: each (query, route) result, merged after
@@ -366,7 +371,8 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   Forward<T, In> f{H, Nq, D, Hkv, Nk, m, H / Hkv, topk, s, static_cast<T>(scale_), static_cast<T>(landmark_scale_),
                    q.data_ptr<In>(), k.data_ptr<In>(), v.data_ptr<In>(), Rows(q), Rows(k), Rows(v), Rows(out),
                    lm.data_ptr<T>(), bins, key_mask, query_mask,
-                   out_t.data_ptr<T>(), v_shared.data_ptr<T>(), lse_a.data_ptr<T>(), lse_t.data_ptr<T>(),
+                   out_t.defined() ? out_t.data_ptr<T>() : nullptr, v_shared.data_ptr<T>(), lse_a.data_ptr<T>(),
+                   lse_t.data_ptr<T>(),
                    lse_shared.data_ptr<T>(), s > 1 ? routed_out.data_ptr<T>() : nullptr,
                    s > 1 ? routed_lse.data_ptr<T>() : nullptr, out.data_ptr<In>(), experts.data_ptr<int64_t>(),
                    routes.data_ptr<int64_t>(), count_t.data_ptr<int64_t>(), members_t.data_ptr<int64_t>(),
@@ -374,16 +380,15 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   if (key_mask)
     for (int64_t b = 0; b < B; ++b) f.n_real[b] = std::count(key_mask + b * Nk, key_mask + (b + 1) * Nk, true);
 
-  const int64_t threads = at::get_num_threads();
-  if ((Nq + 2 * Nk) * D * int64_t(sizeof(T)) <= kSmallHead && X >= threads) {
+  if (by_head) {
     at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
       const SingleThreadedBlas blas;
-      if constexpr (Forward<T, In>::kHalf) {
+      if constexpr (half) {
         // Half precision: a small head's q, k, v rows converted once, in cache, then read in place
         // as float32 rows by every phase (converted per block, each row was converted twice or more:
-        // the forward took 1.07x float32's time at N = 197, Zen 3).
-        std::vector<T> hq(Nq * D), hk(Nk * D), hv(Nk * D);
-        const Forward<T, T> g = f.on_rows(hq.data(), hk.data(), hv.data());
+        // the forward took 1.07x float32's time at N = 197, Zen 3); its output rows in cache too.
+        std::vector<T> hq(Nq * D), hk(Nk * D), hv(Nk * D), ho(Nq * D);
+        const Forward<T, T> g = f.on_rows(hq.data(), hk.data(), hv.data(), ho.data());
         typename Forward<T, T>::Scratch sc(g, m);
         for (int64_t x = begin; x < end; ++x) {
           for (int64_t t = 0; t < Nq; ++t) to_compute(f.qx(x) + t * f.qr.st, hq.data() + t * D, D);
@@ -392,7 +397,8 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             to_compute(f.vx(x) + t * f.vr.st, hv.data() + t * D, D);
           }
           g.head(x, sc);
-          f.store_out(x, 0, Nq);
+          In* o = f.OUT + f.outr.head(x / H, x % H);
+          for (int64_t t = 0; t < Nq; ++t) from_compute(ho.data() + t * D, o + t * f.outr.st, D);
         }
       } else {
         typename Forward<T, In>::Scratch sc(f, m);
