@@ -62,184 +62,184 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
       // float32 scratch first, as the forward's on_rows does; the body below reads either.
       const auto head = [&](const auto* Qx, const auto* dOx, const auto* Ox, const auto* Kx, const auto* Vx,
                             int64_t qs, int64_t dos, int64_t os, int64_t ks, int64_t vs) {
-      constexpr bool conv = !std::is_same_v<std::decay_t<decltype(*Kx)>, T>;  // rows still to convert
-      const T *Lx = L + x * m * D, *VSx = VS + x * m * D, *LTx = LT + x * Nq;
-      // The head's gradients: written in place, or (half precision) in scratch, rounded at its end.
-      const auto grad = [](auto* rows, std::vector<T>& scratch) -> T* {
-        if constexpr (std::is_same_v<decltype(rows), T*>) return rows;
-        else return scratch.data();
-      };
-      T *dQx = grad(dQ + x * Nq * D, dQf), *dKx = grad(dK + x * Nk * D, dKf), *dVx = grad(dV + x * Nk * D, dVf);
-      T* dLx = dL + x * m * D;
-      for (int64_t t = 0; t < Nq; ++t) delta[t] = (qm && !qm[t]) ? T(0) : row_dot<T>(dOx + t * dos, Ox + t * os, D);
-      std::fill(dvs.begin(), dvs.end(), T(0));
-
-      // Shared expert: logits ls * q.q~, values v~; transposed as in the forward's gate (m x nq,
-      // the queries as lanes).
-      for (int64_t t0 = 0; t0 < Nq; t0 += kQueryBlock) {
-        using V = Vectorized<T>;
-        const int64_t nq = std::min(kQueryBlock, Nq - t0), ld = padded_ld<T>(nq);
-        T *Pt = P.data(), *dPt = dP.data();
-        int64_t lq = qs, ldo = dos;
-        const T* Qt0 = rows_as(Qx + t0 * qs, nq, D, lq, Qb.data());
-        const T* dOt0 = rows_as(dOx + t0 * dos, nq, D, ldo, dOb.data());
-        gemm<T>(false, true, m, nq, D, Lx, D, Qt0, lq, false, Pt, ld);
-        gemm<T>(false, true, m, nq, D, VSx, D, dOt0, ldo, false, dPt, ld);
-        const V vls(lscale);
-        for (int64_t i0 = 0; i0 < nq; i0 += V::size()) {
-          const int64_t c = std::min<int64_t>(V::size(), nq - i0);
-          const V lse = V::loadu(LTx + t0 + i0, c), dl = V::loadu(delta.data() + t0 + i0, c);
-          for (int64_t e = 0; e < m; ++e) {
-            const V p = prob(V::loadu(Pt + e * ld + i0), vls, lse);
-            p.store(Pt + e * ld + i0);
-            (vls * p * (V::loadu(dPt + e * ld + i0) - dl)).store(dPt + e * ld + i0);
-          }
-        }
-        if (qm)
-          for (int64_t i = 0; i < nq; ++i)
-            if (!qm[t0 + i])
-              for (int64_t e = 0; e < m; ++e) Pt[e * ld + i] = dPt[e * ld + i] = T(0);
-        gemm<T>(true, false, nq, D, m, dPt, ld, Lx, D, false, dQx + t0 * D, D);
-        gemm<T>(false, false, m, D, nq, dPt, ld, Qt0, lq, true, dLx, D);
-        gemm<T>(false, false, m, D, nq, Pt, ld, dOt0, ldo, true, dvs.data(), D);
-      }
-
-      // Shared values v~ = softmax(s0 A) V, by key blocks: P_A recomputed from its log-sum-exp. It
-      // covers every key, so it writes the head's dk and dv rows first (no zero-fill of them).
-      for (int64_t i = 0; i < m; ++i) rowdot[i] = row_dot<T>(dvs.data() + i * D, VSx + i * D, D);
-      for (int64_t j0 = 0; j0 < Nk; j0 += kKeyBlock) {
-        const int64_t nb = std::min(kKeyBlock, Nk - j0);
-        int64_t lk = ks, lv = vs;
-        const T* Kt0 = rows_as(Kx + j0 * ks, nb, D, lk, Kb.data());
-        const T* Vt0 = rows_as(Vx + j0 * vs, nb, D, lv, Vb.data());
-        gemm<T>(false, true, m, nb, D, Lx, D, Kt0, lk, false, P.data(), nb);
-        gemm<T>(false, true, m, nb, D, dvs.data(), D, Vt0, lv, false, dP.data(), nb);
-        for (int64_t i = 0; i < m; ++i) {
-          T *p = P.data() + i * nb, *dp = dP.data() + i * nb;
-          probs(p, nb, scale, LA[x * m + i]);
-          for (int64_t j = 0; j < nb; ++j) {
-            if (km && !km[j0 + j]) p[j] = T(0);
-            dp[j] = scale * p[j] * (dp[j] - rowdot[i]);
-          }
-        }
-        gemm<T>(true, false, nb, D, m, P.data(), nb, dvs.data(), D, false, dVx + j0 * D, D);
-        gemm<T>(false, false, m, D, nb, dP.data(), nb, Kt0, lk, true, dLx, D);
-        gemm<T>(true, false, nb, D, m, dP.data(), nb, Lx, D, false, dKx + j0 * D, D);
-      }
-
-      // Routed experts: queries grouped by expert, as in the forward (members hold t * s + j).
-      group_by_expert(R + x * Nq * s, qm, Nq, s, m, start.data(), members.data());
-      for (int64_t e = 0; e < m; ++e) {
-        const int64_t n_e = start[e + 1] - start[e];
-        if (n_e == 0) continue;
-        const int64_t* keys = E + (x * m + e) * topk;
-        const int64_t* mem = members.data() + start[e];
-        // dQb's nb rows added into the rows of their queries (slots sl); dKe, dVe into the key rows.
-        const auto add_dq = [&](const int64_t* sl, int64_t nb) {
-          for (int64_t i = 0; i < nb; ++i) {
-            T* dqt = dQx + (sl[i] / s) * D;
-            const T* g = dQb.data() + i * D;
-            for (int64_t d = 0; d < D; ++d) dqt[d] += g[d];
-          }
+        constexpr bool conv = !std::is_same_v<std::decay_t<decltype(*Kx)>, T>;  // rows still to convert
+        const T *Lx = L + x * m * D, *VSx = VS + x * m * D, *LTx = LT + x * Nq;
+        // The head's gradients: written in place, or (half precision) in scratch, rounded at its end.
+        const auto grad = [](auto* rows, std::vector<T>& scratch) -> T* {
+          if constexpr (std::is_same_v<decltype(rows), T*>) return rows;
+          else return scratch.data();
         };
-        const auto add_dkv = [&] {
-          for (int64_t i = 0; i < kk; ++i)
-            for (int64_t d = 0; d < D; ++d) {
-              dKx[keys[i] * D + d] += dKe[i * D + d];
-              dVx[keys[i] * D + d] += dVe[i * D + d];
-            }
-        };
-        // A small expert as in the forward: P^T and dP^T with its queries as lanes, every product in
-        // register tiles reading rows in place (8-10% off the backward at N = 197, 2-3% at 1,025;
-        // the same with BLAS-shaped buffers, tried first, measured no gain).
-        if (n_e <= kQueryBlock && n_e * kk * D <= kSmallBackward) {
+        T *dQx = grad(dQ + x * Nq * D, dQf), *dKx = grad(dK + x * Nk * D, dKf), *dVx = grad(dV + x * Nk * D, dVf);
+        T* dLx = dL + x * m * D;
+        for (int64_t t = 0; t < Nq; ++t) delta[t] = (qm && !qm[t]) ? T(0) : row_dot<T>(dOx + t * dos, Ox + t * os, D);
+        std::fill(dvs.begin(), dvs.end(), T(0));
+
+        // Shared expert: logits ls * q.q~, values v~; transposed as in the forward's gate (m x nq,
+        // the queries as lanes).
+        for (int64_t t0 = 0; t0 < Nq; t0 += kQueryBlock) {
           using V = Vectorized<T>;
-          const int64_t ld = padded_ld<T>(n_e);
-          T *Qt = Qb.data(), *dOt = dOb.data(), *Pt = P.data(), *dPt = dP.data();
-          const auto qrow = [&](int64_t i) { return Qx + (mem[i] / s) * qs; };
-          const auto dorow = [&](int64_t i) { return dOx + (mem[i] / s) * dos; };
-          if constexpr (conv)  // keys and values converted once, as in the forward's small experts
-            for (int64_t j = 0; j < kk; ++j) {
-              to_compute(Kx + keys[j] * ks, Ke.data() + j * D, D);
-              to_compute(Vx + keys[j] * vs, Ve.data() + j * D, D);
-            }
-          const auto krow = [&](int64_t j) {
-            if constexpr (conv) return static_cast<const T*>(Ke.data() + j * D);
-            else return Kx + keys[j] * ks;
-          };
-          const auto vrow = [&](int64_t j) {
-            if constexpr (conv) return static_cast<const T*>(Ve.data() + j * D);
-            else return Vx + keys[j] * vs;
-          };
-          rows_as_columns<T>(n_e, D, ld, T(1), qrow, Qt);
-          rows_as_columns<T>(n_e, D, ld, T(1), dorow, dOt);
-          small_gemm<T>(kk, ld, D, krow, 1, [&](int64_t d) { return Qt + d * ld; }, Pt, ld);
-          small_gemm<T>(kk, ld, D, vrow, 1, [&](int64_t d) { return dOt + d * ld; }, dPt, ld);
-          T lse_l[V::size()], dl_l[V::size()];
-          const V vs0(scale);
-          for (int64_t i0 = 0; i0 < ld; i0 += V::size()) {  // the queries are the lanes
-            for (int64_t i = 0; i < V::size(); ++i) {
-              const bool real = i0 + i < n_e;
-              lse_l[i] = real ? LTx[mem[i0 + i] / s] : std::numeric_limits<T>::infinity();  // p = 0
-              dl_l[i] = real ? delta[mem[i0 + i] / s] : T(0);
-            }
-            const V lse = V::loadu(lse_l), dl = V::loadu(dl_l);
-            for (int64_t j = 0; j < kk; ++j) {
-              const V pv = prob(V::loadu(Pt + j * ld + i0), vs0, lse);
-              pv.store(Pt + j * ld + i0);
-              (vs0 * pv * (V::loadu(dPt + j * ld + i0) - dl)).store(dPt + j * ld + i0);
+          const int64_t nq = std::min(kQueryBlock, Nq - t0), ld = padded_ld<T>(nq);
+          T *Pt = P.data(), *dPt = dP.data();
+          int64_t lq = qs, ldo = dos;
+          const T* Qt0 = rows_as(Qx + t0 * qs, nq, D, lq, Qb.data());
+          const T* dOt0 = rows_as(dOx + t0 * dos, nq, D, ldo, dOb.data());
+          gemm<T>(false, true, m, nq, D, Lx, D, Qt0, lq, false, Pt, ld);
+          gemm<T>(false, true, m, nq, D, VSx, D, dOt0, ldo, false, dPt, ld);
+          const V vls(lscale);
+          for (int64_t i0 = 0; i0 < nq; i0 += V::size()) {
+            const int64_t c = std::min<int64_t>(V::size(), nq - i0);
+            const V lse = V::loadu(LTx + t0 + i0, c), dl = V::loadu(delta.data() + t0 + i0, c);
+            for (int64_t e = 0; e < m; ++e) {
+              const V p = prob(V::loadu(Pt + e * ld + i0), vls, lse);
+              p.store(Pt + e * ld + i0);
+              (vls * p * (V::loadu(dPt + e * ld + i0) - dl)).store(dPt + e * ld + i0);
             }
           }
-          small_gemm<T>(n_e, D, kk, [&](int64_t i) { return dPt + i; }, ld, krow, dQb.data(), D);
-          add_dq(mem, n_e);
-          small_gemm<T>(kk, D, n_e, [&](int64_t j) { return dPt + j * ld; }, 1, qrow, dKe.data(), D);
-          small_gemm<T>(kk, D, n_e, [&](int64_t j) { return Pt + j * ld; }, 1, dorow, dVe.data(), D);
-          add_dkv();
-          continue;
+          if (qm)
+            for (int64_t i = 0; i < nq; ++i)
+              if (!qm[t0 + i])
+                for (int64_t e = 0; e < m; ++e) Pt[e * ld + i] = dPt[e * ld + i] = T(0);
+          gemm<T>(true, false, nq, D, m, dPt, ld, Lx, D, false, dQx + t0 * D, D);
+          gemm<T>(false, false, m, D, nq, dPt, ld, Qt0, lq, true, dLx, D);
+          gemm<T>(false, false, m, D, nq, Pt, ld, dOt0, ldo, true, dvs.data(), D);
         }
-        for (int64_t i = 0; i < kk; ++i) {
-          to_compute(Kx + keys[i] * ks, Ke.data() + i * D, D);
-          to_compute(Vx + keys[i] * vs, Ve.data() + i * D, D);
-        }
-        std::fill(dKe.begin(), dKe.end(), T(0));
-        std::fill(dVe.begin(), dVe.end(), T(0));
-        for (int64_t i0 = 0; i0 < n_e; i0 += kQueryBlock) {
-          const int64_t nb = std::min(kQueryBlock, n_e - i0);
-          for (int64_t i = 0; i < nb; ++i) {
-            const int64_t t = mem[i0 + i] / s;
-            to_compute(Qx + t * qs, Qb.data() + i * D, D);
-            to_compute(dOx + t * dos, dOb.data() + i * D, D);
-          }
-          gemm<T>(false, true, nb, kk, D, Qb.data(), D, Ke.data(), D, false, P.data(), kk);
-          gemm<T>(false, true, nb, kk, D, dOb.data(), D, Ve.data(), D, false, dP.data(), kk);
-          for (int64_t i = 0; i < nb; ++i) {
-            T *p = P.data() + i * kk, *dp = dP.data() + i * kk;
-            const int64_t t = mem[i0 + i] / s;
-            probs(p, kk, scale, LTx[t]);
-            for (int64_t j = 0; j < kk; ++j) dp[j] = scale * p[j] * (dp[j] - delta[t]);
-          }
-          gemm<T>(false, false, nb, D, kk, dP.data(), kk, Ke.data(), D, false, dQb.data(), D);
-          add_dq(mem + i0, nb);
-          gemm<T>(true, false, kk, D, nb, dP.data(), kk, Qb.data(), D, true, dKe.data(), D);
-          gemm<T>(true, false, kk, D, nb, P.data(), kk, dOb.data(), D, true, dVe.data(), D);
-        }
-        add_dkv();
-      }
 
-      if (bins) {  // landmarks pooled from q: their gradient (and any from outside) flows into dq
-        if (dl_extra) {
-          const T* extra = dl_extra->data_ptr<T>() + x * m * D;
-          for (int64_t i = 0; i < m * D; ++i) dvs[i] = dLx[i] + extra[i];
-          unpool_head(dvs.data(), m, D, bins, dQx);
-        } else {
-          unpool_head(dLx, m, D, bins, dQx);
+        // Shared values v~ = softmax(s0 A) V, by key blocks: P_A recomputed from its log-sum-exp. It
+        // covers every key, so it writes the head's dk and dv rows first (no zero-fill of them).
+        for (int64_t i = 0; i < m; ++i) rowdot[i] = row_dot<T>(dvs.data() + i * D, VSx + i * D, D);
+        for (int64_t j0 = 0; j0 < Nk; j0 += kKeyBlock) {
+          const int64_t nb = std::min(kKeyBlock, Nk - j0);
+          int64_t lk = ks, lv = vs;
+          const T* Kt0 = rows_as(Kx + j0 * ks, nb, D, lk, Kb.data());
+          const T* Vt0 = rows_as(Vx + j0 * vs, nb, D, lv, Vb.data());
+          gemm<T>(false, true, m, nb, D, Lx, D, Kt0, lk, false, P.data(), nb);
+          gemm<T>(false, true, m, nb, D, dvs.data(), D, Vt0, lv, false, dP.data(), nb);
+          for (int64_t i = 0; i < m; ++i) {
+            T *p = P.data() + i * nb, *dp = dP.data() + i * nb;
+            probs(p, nb, scale, LA[x * m + i]);
+            for (int64_t j = 0; j < nb; ++j) {
+              if (km && !km[j0 + j]) p[j] = T(0);
+              dp[j] = scale * p[j] * (dp[j] - rowdot[i]);
+            }
+          }
+          gemm<T>(true, false, nb, D, m, P.data(), nb, dvs.data(), D, false, dVx + j0 * D, D);
+          gemm<T>(false, false, m, D, nb, dP.data(), nb, Kt0, lk, true, dLx, D);
+          gemm<T>(true, false, nb, D, m, dP.data(), nb, Lx, D, false, dKx + j0 * D, D);
         }
-      }
-      if constexpr (half) {
-        from_compute(dQx, dQ + x * Nq * D, Nq * D);
-        from_compute(dKx, dK + x * Nk * D, Nk * D);
-        from_compute(dVx, dV + x * Nk * D, Nk * D);
-      }
+
+        // Routed experts: queries grouped by expert, as in the forward (members hold t * s + j).
+        group_by_expert(R + x * Nq * s, qm, Nq, s, m, start.data(), members.data());
+        for (int64_t e = 0; e < m; ++e) {
+          const int64_t n_e = start[e + 1] - start[e];
+          if (n_e == 0) continue;
+          const int64_t* keys = E + (x * m + e) * topk;
+          const int64_t* mem = members.data() + start[e];
+          // dQb's nb rows added into the rows of their queries (slots sl); dKe, dVe into the key rows.
+          const auto add_dq = [&](const int64_t* sl, int64_t nb) {
+            for (int64_t i = 0; i < nb; ++i) {
+              T* dqt = dQx + (sl[i] / s) * D;
+              const T* g = dQb.data() + i * D;
+              for (int64_t d = 0; d < D; ++d) dqt[d] += g[d];
+            }
+          };
+          const auto add_dkv = [&] {
+            for (int64_t i = 0; i < kk; ++i)
+              for (int64_t d = 0; d < D; ++d) {
+                dKx[keys[i] * D + d] += dKe[i * D + d];
+                dVx[keys[i] * D + d] += dVe[i * D + d];
+              }
+          };
+          // A small expert as in the forward: P^T and dP^T with its queries as lanes, every product in
+          // register tiles reading rows in place (8-10% off the backward at N = 197, 2-3% at 1,025;
+          // the same with BLAS-shaped buffers, tried first, measured no gain).
+          if (n_e <= kQueryBlock && n_e * kk * D <= kSmallBackward) {
+            using V = Vectorized<T>;
+            const int64_t ld = padded_ld<T>(n_e);
+            T *Qt = Qb.data(), *dOt = dOb.data(), *Pt = P.data(), *dPt = dP.data();
+            const auto qrow = [&](int64_t i) { return Qx + (mem[i] / s) * qs; };
+            const auto dorow = [&](int64_t i) { return dOx + (mem[i] / s) * dos; };
+            if constexpr (conv)  // keys and values converted once, as in the forward's small experts
+              for (int64_t j = 0; j < kk; ++j) {
+                to_compute(Kx + keys[j] * ks, Ke.data() + j * D, D);
+                to_compute(Vx + keys[j] * vs, Ve.data() + j * D, D);
+              }
+            const auto krow = [&](int64_t j) {
+              if constexpr (conv) return static_cast<const T*>(Ke.data() + j * D);
+              else return Kx + keys[j] * ks;
+            };
+            const auto vrow = [&](int64_t j) {
+              if constexpr (conv) return static_cast<const T*>(Ve.data() + j * D);
+              else return Vx + keys[j] * vs;
+            };
+            rows_as_columns<T>(n_e, D, ld, T(1), qrow, Qt);
+            rows_as_columns<T>(n_e, D, ld, T(1), dorow, dOt);
+            small_gemm<T>(kk, ld, D, krow, 1, [&](int64_t d) { return Qt + d * ld; }, Pt, ld);
+            small_gemm<T>(kk, ld, D, vrow, 1, [&](int64_t d) { return dOt + d * ld; }, dPt, ld);
+            T lse_l[V::size()], dl_l[V::size()];
+            const V vs0(scale);
+            for (int64_t i0 = 0; i0 < ld; i0 += V::size()) {  // the queries are the lanes
+              for (int64_t i = 0; i < V::size(); ++i) {
+                const bool real = i0 + i < n_e;
+                lse_l[i] = real ? LTx[mem[i0 + i] / s] : std::numeric_limits<T>::infinity();  // p = 0
+                dl_l[i] = real ? delta[mem[i0 + i] / s] : T(0);
+              }
+              const V lse = V::loadu(lse_l), dl = V::loadu(dl_l);
+              for (int64_t j = 0; j < kk; ++j) {
+                const V pv = prob(V::loadu(Pt + j * ld + i0), vs0, lse);
+                pv.store(Pt + j * ld + i0);
+                (vs0 * pv * (V::loadu(dPt + j * ld + i0) - dl)).store(dPt + j * ld + i0);
+              }
+            }
+            small_gemm<T>(n_e, D, kk, [&](int64_t i) { return dPt + i; }, ld, krow, dQb.data(), D);
+            add_dq(mem, n_e);
+            small_gemm<T>(kk, D, n_e, [&](int64_t j) { return dPt + j * ld; }, 1, qrow, dKe.data(), D);
+            small_gemm<T>(kk, D, n_e, [&](int64_t j) { return Pt + j * ld; }, 1, dorow, dVe.data(), D);
+            add_dkv();
+            continue;
+          }
+          for (int64_t i = 0; i < kk; ++i) {
+            to_compute(Kx + keys[i] * ks, Ke.data() + i * D, D);
+            to_compute(Vx + keys[i] * vs, Ve.data() + i * D, D);
+          }
+          std::fill(dKe.begin(), dKe.end(), T(0));
+          std::fill(dVe.begin(), dVe.end(), T(0));
+          for (int64_t i0 = 0; i0 < n_e; i0 += kQueryBlock) {
+            const int64_t nb = std::min(kQueryBlock, n_e - i0);
+            for (int64_t i = 0; i < nb; ++i) {
+              const int64_t t = mem[i0 + i] / s;
+              to_compute(Qx + t * qs, Qb.data() + i * D, D);
+              to_compute(dOx + t * dos, dOb.data() + i * D, D);
+            }
+            gemm<T>(false, true, nb, kk, D, Qb.data(), D, Ke.data(), D, false, P.data(), kk);
+            gemm<T>(false, true, nb, kk, D, dOb.data(), D, Ve.data(), D, false, dP.data(), kk);
+            for (int64_t i = 0; i < nb; ++i) {
+              T *p = P.data() + i * kk, *dp = dP.data() + i * kk;
+              const int64_t t = mem[i0 + i] / s;
+              probs(p, kk, scale, LTx[t]);
+              for (int64_t j = 0; j < kk; ++j) dp[j] = scale * p[j] * (dp[j] - delta[t]);
+            }
+            gemm<T>(false, false, nb, D, kk, dP.data(), kk, Ke.data(), D, false, dQb.data(), D);
+            add_dq(mem + i0, nb);
+            gemm<T>(true, false, kk, D, nb, dP.data(), kk, Qb.data(), D, true, dKe.data(), D);
+            gemm<T>(true, false, kk, D, nb, P.data(), kk, dOb.data(), D, true, dVe.data(), D);
+          }
+          add_dkv();
+        }
+
+        if (bins) {  // landmarks pooled from q: their gradient (and any from outside) flows into dq
+          if (dl_extra) {
+            const T* extra = dl_extra->data_ptr<T>() + x * m * D;
+            for (int64_t i = 0; i < m * D; ++i) dvs[i] = dLx[i] + extra[i];
+            unpool_head(dvs.data(), m, D, bins, dQx);
+          } else {
+            unpool_head(dLx, m, D, bins, dQx);
+          }
+        }
+        if constexpr (half) {
+          from_compute(dQx, dQ + x * Nq * D, Nq * D);
+          from_compute(dKx, dK + x * Nk * D, Nk * D);
+          from_compute(dVx, dV + x * Nk * D, Nk * D);
+        }
       };
       const In *Qx = Q + qr.head(b, h), *dOx = dO + dor.head(b, h), *Ox = O + outr.head(b, h);
       const In *Kx = K + kr.head(b, hkv), *Vx = Vv + vr.head(b, hkv);
