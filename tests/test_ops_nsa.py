@@ -221,6 +221,7 @@ def test_learned_compression_starts_as_block_means_and_learns():
     x2[1, 11:] = 1e3  # padded tokens changed: nothing real moves
     torch.testing.assert_close(mlp(x2, attn_mask=mask)[:, :11], y[:, :11])
     y.square().sum().backward()
+    assert mlp(torch.randn(2, 16, 32)).shape == (2, 16, 32)  # N a multiple of the block: k a strided view, no pad
     for name, p in mlp.named_parameters():
         if name.startswith("compress_v"):
             assert p.grad is not None and p.grad.abs().sum() > 0, name

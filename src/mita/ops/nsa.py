@@ -74,7 +74,7 @@ def key_blocks(t: torch.Tensor, real: torch.Tensor, block_size: int) -> tuple[to
     B, Hkv, Nk, D = t.shape
     nb = math.ceil(Nk / block_size)
     pad = nb * block_size - Nk
-    return F.pad(t, (0, 0, 0, pad)).view(B, Hkv, nb, block_size, D), F.pad(real, (0, pad)).view(B, nb, block_size)
+    return F.pad(t, (0, 0, 0, pad)).reshape(B, Hkv, nb, block_size, D), F.pad(real, (0, pad)).reshape(B, nb, block_size)
 
 
 def block_means(blocks: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
