@@ -13,6 +13,7 @@ from _pairs import (
 from _zoo import F64, padding, qkv
 from mita import attention as registry
 from mita.ops.ttt import ttt_linear_attention, ttt_linear_attention_reference
+from mita.ops.ttt_mlp import ttt_mlp_attention
 
 PATHS = [ttt_linear_attention, ttt_linear_attention_reference]
 
@@ -49,13 +50,26 @@ def test_one_token_mini_batches_are_the_delta_rule(op):
     torch.testing.assert_close(out, q @ want)
 
 
+SHARED_ERRORS = [
+    ({"dropout_p": 0.1}, ValueError, "dropout_p"),
+    ({"inner_lr": -0.1}, ValueError, "inner_lr must be a finite float >= 0"),
+    ({"inner_lr": "big"}, TypeError, "inner_lr"),
+    ({"mini_batch_size": 0}, ValueError, "mini_batch_size must be an int >= 1"),
+]
+
+
+@pytest.mark.parametrize("op", [ttt_linear_attention, ttt_mlp_attention], ids=["linear", "mlp"])
+@pytest.mark.parametrize(("options", "error", "match"), SHARED_ERRORS)
+def test_both_ttt_ops_name_their_shared_options(op, options, error, match):
+    """The options TTT-Linear and TTT-MLP share (the op-specific ones: each op's own table)."""
+    q, k, v = qkv(Nq=7, Nk=7)
+    with pytest.raises(error, match=match):
+        op(q, k, v, **options)
+
+
 @pytest.mark.parametrize(
     ("options", "error", "match"),
     [
-        ({"dropout_p": 0.1}, ValueError, "dropout_p"),
-        ({"inner_lr": -0.1}, ValueError, "inner_lr must be a finite float >= 0"),
-        ({"inner_lr": "big"}, TypeError, "inner_lr"),
-        ({"mini_batch_size": 0}, ValueError, "mini_batch_size must be an int >= 1"),
         ({"initial_weight": torch.zeros(3, 8, 8, dtype=F64)}, ValueError, "initial_weight of shape"),
         ({"initial_weight": torch.zeros(8, 8, dtype=torch.long)}, TypeError, "initial_weight"),
     ],

@@ -99,10 +99,7 @@ def test_a_small_step_lowers_the_reconstruction_loss():
 @pytest.mark.parametrize(
     ("options", "error", "match"),
     [
-        ({"dropout_p": 0.1}, ValueError, "dropout_p"),
-        ({"inner_lr": -0.1}, ValueError, "inner_lr must be a finite float >= 0"),
-        ({"inner_lr": "big"}, TypeError, "inner_lr"),
-        ({"mini_batch_size": 0}, ValueError, "mini_batch_size must be an int >= 1"),
+        # (the options shared with TTT-Linear: test_ops_ttt.py)
         ({"weight1": torch.zeros(2, 8, 32, dtype=F64)}, ValueError, "weight1 and weight2 must be given together"),
         ({"weight1": 1.0, "weight2": 1.0}, TypeError, "weight1 must be a float tensor"),
         (
