@@ -245,8 +245,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
       const In *Kx = K + kr.head(b, hkv), *Vx = Vv + vr.head(b, hkv);
       if (half && small) {
         const auto convert = [&](const In* rows, int64_t st, int64_t n, std::vector<T>& to) {
-          for (int64_t t = 0; t < n; ++t) to_compute(rows + t * st, to.data() + t * D, D);
-          return static_cast<const T*>(to.data());
+          return rows_as(rows, n, D, st, to.data());
         };
         head(convert(Qx, qs, Nq, hq), convert(dOx, dos, Nq, hdo), convert(Ox, os, Nq, ho), convert(Kx, ks, Nk, hk),
              convert(Vx, vs, Nk, hv), D, D, D, D, D);

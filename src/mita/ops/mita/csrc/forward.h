@@ -391,11 +391,10 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         const Forward<T, T> g = f.on_rows(hq.data(), hk.data(), hv.data(), ho.data());
         typename Forward<T, T>::Scratch sc(g, m);
         for (int64_t x = begin; x < end; ++x) {
-          for (int64_t t = 0; t < Nq; ++t) to_compute(f.qx(x) + t * f.qr.st, hq.data() + t * D, D);
-          for (int64_t t = 0; t < Nk; ++t) {
-            to_compute(f.kx(x) + t * f.kr.st, hk.data() + t * D, D);
-            to_compute(f.vx(x) + t * f.vr.st, hv.data() + t * D, D);
-          }
+          int64_t lq = f.qr.st, lk = f.kr.st, lv = f.vr.st;  // (rows_as sets them to D)
+          rows_as(f.qx(x), Nq, D, lq, hq.data());
+          rows_as(f.kx(x), Nk, D, lk, hk.data());
+          rows_as(f.vx(x), Nk, D, lv, hv.data());
           g.head(x, sc);
           In* o = f.OUT + f.outr.head(x / H, x % H);
           for (int64_t t = 0; t < Nq; ++t) from_compute(ho.data() + t * D, o + t * f.outr.st, D);
