@@ -73,6 +73,13 @@ def test_triton_float32_matches_reference(case: str) -> None:
         assert _rel_rms(g, w) <= 1e-5, (name, _rel_rms(g, w))
 
 
+@pytest.mark.parametrize("case", ["odd_lengths_k19", "s3_key_mask_short", "cross_both_masks"])
+def test_triton_split_k_matches_reference(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shared-expert products cut into pieces of 8 keys (a GPU's long sequences) change nothing."""
+    monkeypatch.setattr(mita_triton, "SPLIT_K", 8)
+    test_triton_float32_matches_reference(case)
+
+
 @pytest.mark.parametrize("case", ["s2_gqa_m20", "cross_both_masks"])
 def test_triton_float16_within_rounding(case: str) -> None:
     """Half inputs: the error against the float64 reference is that of the grouped path, or float16 rounding (1e-3)."""
@@ -83,6 +90,19 @@ def test_triton_float16_within_rounding(case: str) -> None:
     for name, g, w, p in zip(["out", "dq", "dk", "dv"], got, want, grouped):
         assert g.dtype == torch.float16
         assert _rel_rms(g, w) <= max(1e-3, 1.5 * _rel_rms(p, w)), (name, _rel_rms(g, w), _rel_rms(p, w))
+
+
+@pytest.mark.parametrize("K", [7, 16, 40, 43])
+def test_split_k_matmul_is_the_product(K: int) -> None:
+    """The shared-expert products cut along K (pieces of 8 here): values and float64 gradients of a @ b."""
+    a = torch.randn(2, 3, 5, K, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(2, 3, K, 4, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(mita_triton.split_k_matmul(a, b, 8), a @ b)
+    assert torch.autograd.gradcheck(lambda x, y: mita_triton.SplitK.apply(x, y, 8), (a, b))
+    # the landmarks' side: a long output dimension, whose gradient for a is the long reduction
+    bt = torch.randn(2, 3, 4, K, dtype=torch.float64, requires_grad=True)
+    a4 = torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, y: mita_triton.SplitK.apply(x, y, 8), (a4, bt))
 
 
 def test_triton_rejects_what_it_cannot_run() -> None:

@@ -89,10 +89,10 @@ def mita_attention_triton(
     q, k, v = zero_padding(q, k, v, cfg)  # padded tokens take no part anywhere
     if landmarks is None:
         landmarks = pool(q, cfg.pooling, cfg.query_mask)
-    A = landmarks.float().reshape(B, Hkv, G * m, D) @ k.float().transpose(-1, -2)  # unscaled, as for the reference
+    A = SplitK.apply(landmarks.float().reshape(B, Hkv, G * m, D), k.float().transpose(-1, -2), SPLIT_K)  # unscaled
     if cfg.key_mask is not None:
         A = A.masked_fill(~cfg.key_mask[:, None, None, :], float("-inf"))
-    v_shared = (torch.softmax(cfg.scale * A, dim=-1) @ v.float()).to(q.dtype).view(B, H, m, D)
+    v_shared = SplitK.apply(torch.softmax(cfg.scale * A, dim=-1), v.float(), SPLIT_K).to(q.dtype).view(B, H, m, D)
     experts = topk_indices(A.detach(), cfg.topk).view(B, H, m, cfg.topk)
     gate = q.detach().float() @ landmarks.detach().float().transpose(-1, -2)  # routing only
     routes = gate.argmax(-1, keepdim=True) if cfg.num_routed == 1 else topk_indices(gate, cfg.num_routed)
@@ -101,6 +101,44 @@ def mita_attention_triton(
         q, k, v, landmarks, v_shared, experts, routes, key_mask, cfg.scale, cfg.landmark_scale
     )
     return zero_padded(out, cfg), (landmarks, experts, routes)
+
+
+SPLIT_K = 1024  # reduction length of one piece in split_k_matmul
+
+
+def split_k_matmul(a: torch.Tensor, b: torch.Tensor, block: int = SPLIT_K) -> torch.Tensor:
+    """a (..., M, K) @ b (..., K, N), a long K cut into pieces of ``block`` done as one batched product, then summed.
+
+    MiTA's shared-expert products reduce over the sequence (softmax(A) V: M = G m, N = D, K = N_k, and
+    the landmarks' gradient dA K): a few small output tiles, each a loop over N_k. On an H200 cuBLAS
+    ran softmax(A) V in float32 at N = 65,536 as 32 x 32 tiles, 2.4 ms for 4.3 GFLOP (profile in
+    docs/performance.md); pieces give the GPU K / block times as many tiles to run at once.
+    """
+    K = a.shape[-1]
+    c = K // block
+    if c < 2:
+        return a @ b
+    cut = c * block
+    pieces = a[..., :cut].unflatten(-1, (c, block)).movedim(-2, -3) @ b[..., :cut, :].unflatten(-2, (c, block))
+    out = pieces.sum(-3)
+    return out if cut == K else out + a[..., cut:] @ b[..., cut:, :]
+
+
+class SplitK(torch.autograd.Function):
+    """a @ b by :func:`split_k_matmul`, and its gradients by it too (whichever reduction is long)."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, block: int) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        ctx.block = block
+        return split_k_matmul(a, b, block)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        a, b = ctx.saved_tensors
+        da = split_k_matmul(grad, b.transpose(-1, -2), ctx.block) if ctx.needs_input_grad[0] else None
+        db = split_k_matmul(a.transpose(-1, -2), grad, ctx.block) if ctx.needs_input_grad[1] else None
+        return da, db, None
 
 
 def _blocks(q: torch.Tensor) -> tuple[int, int, int]:
