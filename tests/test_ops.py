@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from _zoo import CAUSAL, F64, IMPLEMENTED, NO_DROPOUT, _small, dense, padding, qkv
 from mita import attention as registry
 from mita.ops.agent import agent_attention, agent_attention_reference
+from mita.ops.common import topk_indices
 from mita.ops.linear import linear_attention, linear_attention_reference
 from mita.ops.moba import moba_attention, moba_attention_reference
 from mita.ops.nystrom import iterative_pinv, nystrom_attention, nystrom_attention_reference
@@ -284,3 +285,21 @@ def test_sdpa_causal_with_padding_mask() -> None:
     expected = F.scaled_dot_product_attention(q[1:, :, :4], q[1:, :, :4], q[1:, :, :4], is_causal=True)
     torch.testing.assert_close(out[1:, :, :4], expected)
     assert out[1, :, 4:].abs().max() == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 40),
+    st.integers(0, 2**16),
+    st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+)
+def test_topk_indices_largest_first_ties_to_the_lower_index(n: int, seed: int, dtype: torch.dtype) -> None:
+    """Against sorting by (value descending, index ascending): many ties, signed zeros, -inf (padding)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 4, (3, n), generator=gen) + 0.25 * torch.randint(0, 2, (3, n), generator=gen)
+    x[x == 0] = torch.where(torch.rand(x.shape, generator=gen) < 0.5, -0.0, 0.0)[x == 0]
+    x[torch.rand(x.shape, generator=gen) < 0.2] = float("-inf")
+    x = x.to(dtype)
+    k = int(torch.randint(1, n + 1, (), generator=gen))
+    want = [sorted(range(n), key=lambda j, row=row: (-float(row[j]), j))[:k] for row in x]
+    assert topk_indices(x, k).tolist() == want

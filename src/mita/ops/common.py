@@ -108,8 +108,15 @@ def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
 
     ``torch.topk`` leaves the choice among equal values unspecified (it differs by device and
     size); this is the rule of the fused CPU and Triton kernels, so that every path picks the same
-    keys when keys repeat (padding, identical tokens). Cost: two top-k passes and a sort of k.
+    keys when keys repeat (padding, identical tokens). Half and single precision: one top-k of
+    distinct 64-bit keys, the value's order bits (as the fused kernel's ``order_key``: -0 as +0,
+    NaN by its sign bit) above the reversed index. float64: two top-k passes and a sort of k.
     """
+    if x.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        bits = (x.float() + 0.0).view(torch.int32)  # + 0.0: -0 becomes +0, so that equal values tie
+        order = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()  # signed, in the floats' order
+        lower_first = 0xFFFFFFFF - torch.arange(x.shape[-1], device=x.device)  # larger for lower indices
+        return (order * 2**32 + lower_first).topk(k, dim=-1).indices
     kth = x.topk(k, dim=-1).values[..., -1:]
     above, tied = x > kth, x == kth
     take = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
