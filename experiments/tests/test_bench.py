@@ -69,6 +69,17 @@ def test_quick_rows_ratios_follow_their_definitions(quick_run: Path) -> None:
     assert "of matmul" in (quick_run / "results.md").read_text()
 
 
+def test_the_matmul_rate_is_measured_again_at_the_end_and_a_drift_is_reported(quick_run: Path) -> None:
+    session = json.loads((quick_run / "machine.json").read_text())["sessions"][0]
+    assert session["matmul_gflops_end"] > 0
+    assert "at the start," in (quick_run / "results.md").read_text()
+    steady = {"command": "mita bench", "matmul_gflops": 100.0, "matmul_gflops_end": 100.0 * (1 + bench.DRIFT)}
+    assert bench.rate_drift(steady) is None
+    assert bench.rate_drift({k: v for k, v in steady.items() if k != "matmul_gflops_end"}) is None  # older runs
+    moved = bench.rate_drift({**steady, "matmul_gflops_end": 60.0})
+    assert moved is not None and "from 100 to 60 GFLOP/s" in moved and "`mita bench`" in moved
+
+
 def test_matmul_rate_is_a_rate_and_checks_its_arguments() -> None:
     assert 0.01 < timing.matmul_rate("float32", size=64, repeats=3) < 1e6  # GFLOP/s of a 64^3 product
     start = time.perf_counter()

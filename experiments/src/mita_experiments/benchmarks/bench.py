@@ -312,6 +312,28 @@ def record_machine(
     path.write_text(json.dumps(info, indent=2) + "\n")
 
 
+DRIFT = 0.2  # a change of the machine's matmul rate over a run above which results.md warns
+
+
+def record_rate_at_end(path: Path, rate: float) -> None:
+    """Add the matmul rate measured after the run's points to this session in machine.json: on a shared
+    VM the machine's speed can move by a third within minutes, and the two rates show whether it did."""
+    info = json.loads(path.read_text())
+    info["sessions"][-1]["matmul_gflops_end"] = rate
+    path.write_text(json.dumps(info, indent=2) + "\n")
+
+
+def rate_drift(session: Mapping[str, Any]) -> str | None:
+    """A sentence on a session whose matmul rate moved by more than ``DRIFT`` between start and end, else None."""
+    start, end = session.get("matmul_gflops"), session.get("matmul_gflops_end")
+    if not start or not end or abs(end / start - 1) <= DRIFT:
+        return None
+    return (
+        f"The machine's matmul rate moved from {start:.0f} to {end:.0f} GFLOP/s during `{session['command']}`: "
+        "absolute times of that run are unreliable; ratios measured side by side (`--rounds`) hold better."
+    )
+
+
 HELP = "the attention ops against sequence length: time, throughput and peak memory (the default target)"
 
 
@@ -432,6 +454,7 @@ def run(args: argparse.Namespace) -> int:
         rows = {_key(r): r for r in read_rows(out_dir / "results.csv")} if args.resume else {}
         write_rows(out_dir / "results.csv", rows.values())  # a new file, or the resumed one rid of a cut line
         failures = _measure_all(plan, args.dtype or "float32", args.device, session, rows, out_dir / "results.csv")
+        record_rate_at_end(out_dir / "machine.json", matmul_rate(args.dtype or "float32", args.device))
     # ratios again over all rows: a resumed run may have measured a baseline after the rows that need it
     final = [
         add_ratios(r, rows.get(_baseline_key(plan, r)))
@@ -513,7 +536,15 @@ def _write_reports(rows: Sequence[Row], out_dir: Path, baseline: str, *, plots: 
     machine = json.loads((out_dir / "machine.json").read_text())
     info, sessions = machine["machine"], machine["sessions"]
     gpu = f", {info['cuda_device']}" if info["cuda_device"] else ""
-    rates = ", ".join(f"{s['matmul_gflops']:.0f}" for s in sessions if s.get("matmul_gflops")) or "not measured"
+    rates = (
+        ", ".join(
+            f"{s['matmul_gflops']:.0f}"
+            + (f" at the start, {s['matmul_gflops_end']:.0f} at the end" if s.get("matmul_gflops_end") else "")
+            for s in sessions
+            if s.get("matmul_gflops")
+        )
+        or "not measured"
+    )
     lines = [
         "# mita bench",
         "",
@@ -531,6 +562,7 @@ def _write_reports(rows: Sequence[Row], out_dir: Path, baseline: str, *, plots: 
     ]
     if any(map(from_other_session, rows)):
         lines.append(OTHER_SESSION + "\n")
+    lines += [f"{warning}\n" for warning in map(rate_drift, sessions) if warning]
     if crossings := crossovers(rows, baseline):
         lines += [f"Crossover with `{baseline}`:", "", *crossings, ""]
     (out_dir / "results.md").write_text("\n".join(lines))
