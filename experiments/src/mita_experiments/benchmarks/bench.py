@@ -323,6 +323,12 @@ def record_rate_at_end(path: Path, rate: float) -> None:
     path.write_text(json.dumps(info, indent=2) + "\n")
 
 
+def _rates(session: Mapping[str, Any]) -> str:
+    """A session's matmul rate in GFLOP/s, and the one at its end where measured."""
+    end = session.get("matmul_gflops_end")
+    return f"{session['matmul_gflops']:.0f}" + (f" at the start, {end:.0f} at the end" if end else "")
+
+
 def rate_drift(session: Mapping[str, Any]) -> str | None:
     """A sentence on a session whose matmul rate moved by more than ``DRIFT`` between start and end, else None."""
     start, end = session.get("matmul_gflops"), session.get("matmul_gflops_end")
@@ -536,15 +542,7 @@ def _write_reports(rows: Sequence[Row], out_dir: Path, baseline: str, *, plots: 
     machine = json.loads((out_dir / "machine.json").read_text())
     info, sessions = machine["machine"], machine["sessions"]
     gpu = f", {info['cuda_device']}" if info["cuda_device"] else ""
-    rates = (
-        ", ".join(
-            f"{s['matmul_gflops']:.0f}"
-            + (f" at the start, {s['matmul_gflops_end']:.0f} at the end" if s.get("matmul_gflops_end") else "")
-            for s in sessions
-            if s.get("matmul_gflops")
-        )
-        or "not measured"
-    )
+    rates = ", ".join(_rates(s) for s in sessions if s.get("matmul_gflops")) or "not measured"
     lines = [
         "# mita bench",
         "",

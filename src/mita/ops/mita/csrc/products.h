@@ -245,7 +245,7 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, int64_t
     if (tb && !ta && 5 * M * (K + N) < 3 * N * K) {
       // C = A B^T as (B A^T)^T where A and the product are the smaller transposes, by 0.6 or less in
       // elements: landmarks against keys or queries when m is well below D (m = 25 at D = 64: the
-      // forward 3-4% faster at N = 197, Zen 3; at m = 49, 0.86-0.96 of the elements, 2-5% slower).
+      // forward 3-4% faster at N = 197, Zen 3; at m = 49, 0.86-0.96 of the elements, 2-3% slower).
       thread_local std::vector<float> c_t;
       A = transposed(A, M, K, lda, a_t);  // A^T, K x M, lda = M padded
       c_t.resize(N * lda);
