@@ -209,17 +209,18 @@ def triton_forward(
     s = routes.shape[3]
     tensors, mask, sizes, meta = _launch_args(q, k, v, landmarks, v_shared, experts, key_mask)
     slot, tile_expert, row_pair = _plan(routes, meta["M"], meta["BLOCK_M"])
-    o_part = q.new_empty(row_pair.numel(), D, dtype=torch.float32)
-    lse_part = q.new_empty(row_pair.numel(), dtype=torch.float32)
+    rows = B * H * Nq if s == 1 else row_pair.numel()  # s = 1: the kernel writes the output itself
+    o_part = q.new_empty(rows, D, dtype=q.dtype if s == 1 else torch.float32)
+    lse_part = q.new_empty(rows, dtype=torch.float32)
     mita_fwd_kernel[(tile_expert.numel(),)](
         *tensors, mask, tile_expert, row_pair, o_part, lse_part, *sizes, scale, landmark_scale, S=s, **meta
     )
+    if s == 1:
+        return o_part.view(B, H, Nq, D), lse_part.view(B, H, Nq)
     o, lse = o_part[slot].view(B * H * Nq, s, D), lse_part[slot].view(B * H * Nq, s)
-    if s > 1:  # merge the s partial softmaxes of each query by their log-sum-exps
-        merged = torch.logsumexp(lse, 1)
-        o = torch.einsum("rs,rsd->rd", torch.exp(lse - merged[:, None]), o)
-        lse = merged
-    return o.view(B, H, Nq, D).to(q.dtype), lse.view(B, H, Nq)
+    merged = torch.logsumexp(lse, 1)  # merge the s partial softmaxes of each query by their log-sum-exps
+    o = torch.einsum("rs,rsd->rd", torch.exp(lse - merged[:, None]), o)
+    return o.view(B, H, Nq, D).to(q.dtype), merged.view(B, H, Nq)
 
 
 @triton_forward.register_fake
@@ -252,7 +253,8 @@ def triton_backward(
     slot, tile_expert, row_pair = _plan(routes, meta["M"], meta["BLOCK_M"])
     dout = dout.contiguous()
     delta = (dout.float() * out.float()).sum(-1).contiguous()
-    dq_part = q.new_empty(row_pair.numel(), D, dtype=torch.float32)
+    rows = B * H * Nq if s == 1 else row_pair.numel()
+    dq_part = q.new_empty(rows, D, dtype=q.dtype if s == 1 else torch.float32)
     dk, dv = (k.new_zeros(k.shape, dtype=torch.float32) for _ in range(2))
     dlm, dvs = (q.new_zeros(landmarks.shape, dtype=torch.float32) for _ in range(2))
     mita_bwd_kernel[(tile_expert.numel(),)](
@@ -274,8 +276,8 @@ def triton_backward(
         S=s,
         **meta,
     )
-    dq = dq_part[slot].view(B, H, Nq, s, D).sum(3)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dlm.to(landmarks.dtype), dvs.to(v_shared.dtype)
+    dq = dq_part.view(B, H, Nq, D) if s == 1 else dq_part[slot].view(B, H, Nq, s, D).sum(3).to(q.dtype)
+    return dq, dk.to(k.dtype), dv.to(v.dtype), dlm.to(landmarks.dtype), dvs.to(v_shared.dtype)
 
 
 @triton_backward.register_fake

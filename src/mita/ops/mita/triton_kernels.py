@@ -46,6 +46,15 @@ def _tile(t, tile_expert, row_pair, M: tl.constexpr, S: tl.constexpr, H, G, Hkv,
 
 
 @triton.jit
+def _destination(rows, qrow, S: tl.constexpr):
+    """Where a tile's rows are written: with one route (S = 1) straight to their query rows (the
+    output itself, in its dtype), else to their slots in the buffer of partial results."""
+    if S == 1:
+        return qrow
+    return rows
+
+
+@triton.jit
 def mita_fwd_kernel(
     q,
     k,
@@ -118,9 +127,11 @@ def mita_fwd_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, IEEE)
         m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    tl.store(o_part + rows[:, None] * D + d[None, :], acc / l_safe[:, None], mask=valid[:, None] & dmask[None, :])
+    dst = _destination(rows, qrow, S)
+    out = (acc / l_safe[:, None]).to(o_part.dtype.element_ty)
+    tl.store(o_part + dst[:, None] * D + d[None, :], out, mask=valid[:, None] & dmask[None, :])
     lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
-    tl.store(lse_part + rows, lse, mask=valid)
+    tl.store(lse_part + dst, lse, mask=valid)
 
 
 @triton.jit
@@ -203,4 +214,5 @@ def mita_bwd_kernel(
         dq += _dot(ds.to(kt.dtype), kt, IEEE) * scale
         tl.atomic_add(dk + ptrs, _dot(tl.trans(ds.to(qt.dtype)), qt, IEEE) * scale, mask=kmask)
         tl.atomic_add(dv + ptrs, _dot(tl.trans(p.to(do.dtype)), do, IEEE), mask=kmask)
-    tl.store(dq_part + rows[:, None] * D + d[None, :], dq, mask=qmask)
+    dst = _destination(rows, qrow, S)
+    tl.store(dq_part + dst[:, None] * D + d[None, :], dq.to(dq_part.dtype.element_ty), mask=qmask)
