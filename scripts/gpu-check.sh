@@ -3,7 +3,8 @@
 #   scripts/gpu-check.sh [OUT_DIR] [extra mita bench options]   (default OUT_DIR: gpu-results; PYTHON=... for the interpreter)
 # The tests run the Triton kernels compiled for the GPU against the reference (tests/test_mita_triton.py),
 # every CUDA path traced with fake tensors and on the device (tests/test_mita_cuda.py), and the CUDA
-# cases of the other tests. scripts/gpu_profile.py lists the CUDA kernels of one call at N = 65,536.
+# cases of the other tests. scripts/gpu_profile.py lists the CUDA kernels of one call at N = 65,536 and
+# 4,096 (wall time against GPU time); scripts/gpu_ab.py times split-K and torch.compile side by side.
 # The benchmark writes OUT_DIR/results.csv, results.md, machine.json; each step's log is OUT_DIR/*.log.
 # Extra options go to the benchmark, e.g. `--lengths 4096 16384 65536 --dtype bfloat16` for a short run.
 set -uo pipefail
@@ -22,6 +23,8 @@ status=0
 "$PY" -m pytest -q -p no:cacheprovider -k cuda tests/test_mita_op.py tests/test_ops.py tests/test_layers.py \
   experiments/tests/test_bench_gpu.py 2>&1 | tee -a "$OUT/tests.log" || status=1
 "$PY" scripts/gpu_profile.py 2>&1 | tee "$OUT/profile.log" || status=1
+"$PY" scripts/gpu_profile.py --n 4096 --rows 40 2>&1 | tee "$OUT/profile4096.log" || status=1
+"$PY" scripts/gpu_ab.py 2>&1 | tee "$OUT/ab.log" || status=1
 "$PY" -m mita_experiments bench --preset gpu --device cuda --out "$OUT" --force "$@" 2>&1 | tee "$OUT/bench.log" || status=1
 [ "$status" = 0 ] && echo "gpu-check: passed; benchmark table in $OUT/results.md" || echo "gpu-check: FAILED (see $OUT/*.log)"
 exit "$status"

@@ -2,13 +2,18 @@
 
     python scripts/gpu_profile.py [--n 65536] [--head-dim 64] [--impl triton] [--dtype bfloat16] [--rows 25]
 
-Prints, per mode, the kernels sorted by their total CUDA time over three profiled calls (after
-two warm-up calls), and SDPA's flash backend at the same shape for scale. Needs a CUDA device.
+Per mode, prints the wall time of one call (synchronised, median of 20), the GPU time its kernels
+took and how many kernels it launched, so that a call bound by the host (launches, Python) shows as
+wall time well above GPU time; then the kernels sorted by total CUDA time and the operators by
+self CPU time over three profiled calls (after two warm-up calls); SDPA's flash backend at the same
+shape for scale. Needs a CUDA device.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -46,12 +51,27 @@ def main() -> None:
             for _ in range(2):
                 step()
             torch.cuda.synchronize()
+            walls = []
+            for _ in range(20):
+                start = time.perf_counter()
+                step()
+                torch.cuda.synchronize()
+                walls.append(time.perf_counter() - start)
             with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
                 for _ in range(3):
                     step()
                 torch.cuda.synchronize()
-            print(f"\n=== {name} {mode}: N={args.n} D={args.head_dim} H={args.heads} {args.dtype}, 3 calls ===")
-            print(prof.key_averages().table(sort_by="device_time_total", row_limit=args.rows, max_name_column_width=70))
+            events = prof.key_averages()
+            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            gpu_ms = sum(e.device_time_total for e in kernels) / 3e3
+            print(f"\n=== {name} {mode}: N={args.n} D={args.head_dim} H={args.heads} {args.dtype} ===")
+            print(
+                f"wall {statistics.median(walls) * 1e3:.3f} ms a call (median of 20, synchronised); "
+                f"GPU kernels {gpu_ms:.3f} ms and {len(kernels) / 3:.0f} launches a call"
+            )
+            print(events.table(sort_by="device_time_total", row_limit=args.rows, max_name_column_width=70))
+            if name == "mita":
+                print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=70))
 
 
 if __name__ == "__main__":
