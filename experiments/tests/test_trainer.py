@@ -130,6 +130,7 @@ def test_step_sampler_covers_each_epoch_once_and_depends_only_on_seed_and_step()
         ("seed", -1, "seed must be a whole number >= 0"),
         ("schedule", "cos", "schedule must be one of"),
         ("precision", "fp8", "precision must be one of"),
+        ("compile", "fast", "compile must be one of"),
         ("stop_at_accuracy", 1.5, "stop_at_accuracy must be"),
         ("nope", 1, "unknown key"),
     ],
@@ -205,6 +206,36 @@ def test_a_finished_run_resumed_changes_nothing(tmp_path):
     assert longer["step"] == 12 and longer["finished"]
     rows = [json.loads(x) for x in (path / trainer.METRICS_JSONL).read_text().splitlines()]
     assert [r["step"] for r in rows if r["split"] == "test"] == [8, 12]
+
+
+def test_compiled_training_forward_matches_eager_and_resumes_either_way(tmp_path, monkeypatch):
+    """train.compile: the step runs through torch.compile (inductor) and trains the weights eager would
+    (a model without dropout: inductor draws its own random masks); a run may resume with it on or off."""
+    modes, real_compile = [], torch.compile
+
+    def spy(module, **kwargs):
+        modes.append(kwargs.get("mode"))
+        return real_compile(module, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", spy)
+
+    def task():
+        return trainer.Task(
+            build_model=lambda: torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)),
+            scores=lambda m, batch: trainer.classification_scores(m(batch[0]), batch[1]),
+            train_data=Rows(0, 64),
+            eval_data={"val": Rows(64, 80)},
+        )
+
+    eager = run(task(), config(), tmp_path / "eager")
+    assert modes == []
+    compiled = run(task(), config(compile="default"), tmp_path / "compiled")
+    assert compiled["finished"] and compiled["step"] == eager["step"] and modes == ["default"]
+    for key, value in weights(tmp_path / "eager").items():
+        torch.testing.assert_close(weights(tmp_path / "compiled")[key], value, rtol=1e-5, atol=1e-6)
+    run(task(), config(compile="default"), tmp_path / "switch", stop_after=4)
+    assert run(task(), config(), tmp_path / "switch", resume=True)["finished"]
+    torch.testing.assert_close(weights(tmp_path / "switch")["0.weight"], weights(tmp_path / "eager")["0.weight"])
 
 
 def test_run_folder_refusals_force_and_stale_temporaries(tmp_path):

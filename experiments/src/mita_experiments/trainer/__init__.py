@@ -38,7 +38,8 @@ API:
 
 The "train" section (``check_train``): batch_size, steps, lr (required); accum 1, seed 0,
 schedule "constant", warmup 0, min_lr 0, weight_decay 0, betas [0.9, 0.999], grad_clip null,
-precision "fp32", ema null, log_every 10, eval_every 500, checkpoint_every 500,
+precision "fp32", compile null (or a ``torch.compile`` mode for the training forward:
+"default", "reduce-overhead", "max-autotune"), ema null, log_every 10, eval_every 500, checkpoint_every 500,
 eval_batch_size null (= batch_size), eval_samples null, train_subset null,
 stop_at_accuracy null. Experiment options go in other sections (all of it is recorded and
 compared on resume).

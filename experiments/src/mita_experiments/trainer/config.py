@@ -10,10 +10,12 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["DEFAULTS", "PRECISIONS", "REQUIRED", "RESUMABLE", "SCHEDULES", "check_train", "lr_factor"]
+__all__ = ["COMPILE_MODES", "DEFAULTS", "PRECISIONS", "REQUIRED", "RESUMABLE", "SCHEDULES", "check_train", "lr_factor"]
 
 SCHEDULES = ("linear", "cosine", "constant", "rsqrt")
 PRECISIONS = ("fp32", "bf16", "fp16")
+#: torch.compile modes of the training forward (train.compile); null: eager
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 #: keys a train section must hold
 REQUIRED = ("batch_size", "steps", "lr")
 #: the other keys, with their defaults
@@ -27,6 +29,7 @@ DEFAULTS: dict[str, Any] = {
     "betas": [0.9, 0.999],
     "grad_clip": None,
     "precision": "fp32",
+    "compile": None,
     "ema": None,
     "log_every": 10,
     "eval_every": 500,
@@ -39,6 +42,7 @@ DEFAULTS: dict[str, Any] = {
 #: train keys a resumed run may change; any other key of the config may not
 RESUMABLE = (
     "steps",
+    "compile",
     "eval_every",
     "checkpoint_every",
     "log_every",
@@ -67,7 +71,8 @@ def check_train(train: Mapping[str, Any]) -> dict[str, Any]:
     [0, lr]; weight_decay >= 0; grad_clip >= 0 or null (0 and null: no clipping); betas two
     numbers in [0, 1); ema (decay of an exponential moving average of the weights) in
     [0, 1) or null (off); stop_at_accuracy in (0, 1] or null; schedule one of
-    :data:`SCHEDULES`; precision one of :data:`PRECISIONS`.
+    :data:`SCHEDULES`; precision one of :data:`PRECISIONS`; compile one of
+    :data:`COMPILE_MODES` or null (eager).
     """
     if not isinstance(train, Mapping):
         raise ValueError(f"the train section must be a dict of settings, got {type(train).__name__}")
@@ -111,6 +116,8 @@ def check_train(train: Mapping[str, Any]) -> dict[str, Any]:
         raise bad("schedule", f"one of {list(SCHEDULES)}")
     if out["precision"] not in PRECISIONS:
         raise bad("precision", f"one of {list(PRECISIONS)}")
+    if out["compile"] is not None and out["compile"] not in COMPILE_MODES:
+        raise bad("compile", f"one of {list(COMPILE_MODES)}, or null for eager")
     out["betas"] = [float(b) for b in betas]
     return out
 

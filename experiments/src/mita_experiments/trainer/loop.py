@@ -58,7 +58,8 @@ class Task:
     Args:
         build_model: makes the model (called after the RNGs are seeded with ``train.seed``).
         scores: ``scores(model, batch) -> Scores`` for a batch already on the device, run
-            under the trainer's autocast; in training ``model`` may be the DDP wrapper.
+            under the trainer's autocast; in training ``model`` may be the DDP wrapper or
+            (train.compile) the compiled module.
         train_data: a map-style dataset: ``len()`` and ``__getitems__(indices) -> batch``, or
             ``__getitem__(i) -> sample`` with ``collate``.
         eval_data: named evaluation datasets (same protocol): "val" is evaluated every
@@ -405,6 +406,10 @@ def train(
             if ctx.world > 1
             else model
         )
+        # train.compile: the training forward (and its backward) by torch.compile; the weights, checkpoints and
+        # evaluation stay those of the eager module. "reduce-overhead" replays CUDA graphs, which is what takes
+        # away the host's launch cost of MiTA's small ops on a GPU (docs/performance.md).
+        forward = ddp if tc["compile"] is None else torch.compile(ddp, mode=tc["compile"])
         fields = ["step", "epoch", "split", "loss", *task.metrics, "lr", "samples_per_s", "train_seconds"]
         logger = rf.Logger(run_dir, fields, step, finished, ctx.main, tensorboard)
         held.callback(logger.close)
@@ -489,8 +494,10 @@ def train(
                 reseed(derive_seed(FORWARD, seed, step, ctx.rank, j))
                 sync = ddp.no_sync() if ctx.world > 1 and j < accum - 1 else contextlib.nullcontext()
                 with sync:
+                    if tc["compile"] == "reduce-overhead":
+                        torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs are not read again
                     with _autocast(ctx.device, precision):
-                        s = task.scores(ddp, batch)
+                        s = task.scores(forward, batch)
                     scaler.scale(s.loss).backward()
                 sums["loss"] += float(s.loss.detach())
                 sums["count"] += float(s.count)
