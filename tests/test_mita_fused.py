@@ -263,6 +263,8 @@ POOLED = [
     Case(B=2, H=3, N=50, D=8, m=(2, 3), k=9, s=2, grid=(7, 7), prefix=1),
     Case(B=1, H=2, Hkv=1, N=41, D=8, m=6, k=5, prefix=2),
     Case(B=2, H=2, N=20, Nk=33, D=8, m=4, k=6),
+    Case(B=1, H=2, N=50, D=64, m=(3, 3), k=6, grid=(7, 7), prefix=1),  # whole 64-column chunks
+    Case(B=1, H=2, N=37, D=72, m=(2, 2), k=5, grid=(6, 6), prefix=1),  # and a tail past them
 ]
 
 
@@ -279,6 +281,16 @@ def test_landmarks_pooled_in_the_kernel_carry_their_gradient(case: Case) -> None
         results.append((out, r.landmarks, *torch.autograd.grad(loss, leaves)))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("D", [64, 72, 136])
+def test_float32_landmarks_pooled_in_the_kernel(D: int) -> None:
+    """float32 pooling in the kernel (64 columns summed in registers, then the tail) against pool()."""
+    case = Case(B=2, H=3, N=1 + 36, D=D, m=(2, 3), k=5, grid=(6, 6), prefix=1)
+    q, k, v, _ = case.inputs(dtype=torch.float32)
+    got = mita_attention(q, k, v, **case.kwargs(None), impl="fused", return_routing=True)[1].landmarks
+    want = mita_attention(q, k, v, **case.kwargs(None), impl="reference", return_routing=True)[1].landmarks
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_both_schedules_agree_with_the_reference() -> None:

@@ -29,21 +29,33 @@ struct Bins {
 
 // Lx[i] = mean of Qx[t] over the tokens t of bin i (summed in token order, then divided, as
 // adaptive_avg_pool does), in T whatever Qx's type (half-precision rows converted a vector at a time).
+// 64 columns at a time are summed in registers over the bin's tokens (C vectors: 8 with AVX2, 4 with
+// AVX-512); the sum in memory, a load and a store around each token's add, was 5.5% of the forward
+// at N = 197 (Zen 3). Columns past the last multiple of 64 take the vector-at-a-time loop.
 template <typename T, typename In>
 void pool_head(const In* Qx, int64_t st, int64_t m, int64_t D, Bins bins, T* Lx) {
   using V = Vectorized<T>;
+  constexpr int64_t W = V::size(), C = std::max<int64_t>(1, 64 / W);
+  const int64_t whole = D / (C * W) * (C * W);
   for (int64_t i = 0; i < m; ++i) {
+    const int64_t p0 = bins.offsets[i], p1 = bins.offsets[i + 1];
+    const V n(static_cast<T>(p1 - p0));
     T* l = Lx + i * D;
-    std::fill(l, l + D, T(0));
-    for (int64_t p = bins.offsets[i]; p < bins.offsets[i + 1]; ++p) {
-      const In* row = Qx + bins.tokens[p] * st;
-      for (int64_t d = 0; d < D; d += V::size()) {
-        const int64_t n = std::min<int64_t>(V::size(), D - d);
-        (V::loadu(l + d, n) + load_as<T>(row + d, n)).store(l + d, n);
+    for (int64_t d0 = 0; d0 < whole; d0 += C * W) {
+      V acc[C];
+      for (int64_t c = 0; c < C; ++c) acc[c] = V(T(0));
+      for (int64_t p = p0; p < p1; ++p) {
+        const In* row = Qx + bins.tokens[p] * st + d0;
+        for (int64_t c = 0; c < C; ++c) acc[c] = acc[c] + load_as<T>(row + c * W);
       }
+      for (int64_t c = 0; c < C; ++c) (acc[c] / n).store(l + d0 + c * W);
     }
-    const T n = static_cast<T>(bins.offsets[i + 1] - bins.offsets[i]);
-    for (int64_t d = 0; d < D; ++d) l[d] /= n;
+    for (int64_t d = whole; d < D; d += W) {
+      const int64_t cnt = std::min<int64_t>(W, D - d);
+      V acc(T(0));
+      for (int64_t p = p0; p < p1; ++p) acc = acc + load_as<T>(Qx + bins.tokens[p] * st + d, cnt);
+      (acc / n).store(l + d, cnt);
+    }
   }
 }
 
