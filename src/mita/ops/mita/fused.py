@@ -353,7 +353,14 @@ def mita_attention_fused(
             bins = pool_bins(cfg.pooling, q.shape[2])  # (traced code pools in Python: no cached tensors in graphs)
         else:
             landmarks = pool(q, cfg.pooling, cfg.query_mask)
-    q_, k_, v_ = _distinct([_rows(t) for t in (q, k, v)])  # half precision passes as it is: no copies
+    q_, k_, v_ = (_rows(t) for t in (q, k, v))  # half precision passes as it is: no copies
     given = None if landmarks is None else landmarks.to(_compute(q.dtype)).contiguous()
-    out, pooled, experts, routes = _FusedMiTA.apply(q_, k_, v_, given, cfg, bins)
-    return out, (pooled.to(q.dtype) if landmarks is None else landmarks, experts, routes)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, landmarks)):
+        out, pooled, experts, routes = _FusedMiTA.apply(*_distinct([q_, k_, v_]), given, cfg, bins)
+    else:  # no graph to record (inference): the kernel alone, without the autograd.Function's cost a call
+        offsets, tokens = bins if given is None else (None, None)
+        out, experts, routes, pooled, *_ = torch.ops.mita.fused_forward(
+            q_, k_, v_, given, *_masks(cfg), cfg.topk, cfg.num_routed, cfg.scale, cfg.landmark_scale, offsets, tokens
+        )
+    pooled = pooled if pooled.dtype == q.dtype else pooled.to(q.dtype)
+    return out, (pooled if landmarks is None else landmarks, experts, routes)
