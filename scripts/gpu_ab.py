@@ -77,8 +77,10 @@ def main() -> None:
                 if mode != "eager" and time.time() - start > args.budget:
                     cells.append(f"{mode}: not run (--budget)")
                     continue
-                torch._dynamo.reset()  # each compile afresh: one code object, many shapes and modes
-                fn = attn if mode == "eager" else torch.compile(attn, mode=mode, fullgraph=True, dynamic=False)
+                fn = attn
+                if mode != "eager":
+                    torch.compiler.reset()  # each compile afresh: one code object, many shapes and modes
+                    fn = torch.compile(attn, mode=mode, fullgraph=True, dynamic=False)
                 for _ in range(3):
                     step(fn, x, train)
                 cell = f"{mode} {ms(partial(step, fn, x, train)):.3f}"

@@ -243,10 +243,8 @@ class _FusedMiTA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, landmarks, cfg: MiTAConfig, bins):
+        out, experts, routes, pooled, v_shared, lse_a, lse_t = _fused_forward(q, k, v, landmarks, cfg, bins)
         offsets, tokens = bins if landmarks is None else (None, None)
-        out, experts, routes, pooled, v_shared, lse_a, lse_t = torch.ops.mita.fused_forward(
-            q, k, v, landmarks, *_masks(cfg), cfg.topk, cfg.num_routed, cfg.scale, cfg.landmark_scale, offsets, tokens
-        )
         used = pooled if landmarks is None else landmarks  # the kernel's copy of given ones is no graph node
         ctx.save_for_backward(q, k, v, used, experts, routes, out, v_shared, lse_a, lse_t)
         ctx.cfg, ctx.bins = cfg, (offsets, tokens)
@@ -296,6 +294,15 @@ class _FusedMiTA(torch.autograd.Function):
             )
         dq, dk, dv, dl = grads
         return dq, dk, dv, None if pooled_here else dl, None, None
+
+
+def _fused_forward(q, k, v, landmarks, cfg: MiTAConfig, bins) -> tuple[torch.Tensor, ...]:
+    """The kernel's forward: (out, experts, routes, pooled landmarks, v_shared, lse_a, lse_t); it pools
+    the landmarks itself by ``bins`` (offsets, tokens) when none are given."""
+    offsets, tokens = bins if landmarks is None else (None, None)
+    return torch.ops.mita.fused_forward(
+        q, k, v, landmarks, *_masks(cfg), cfg.topk, cfg.num_routed, cfg.scale, cfg.landmark_scale, offsets, tokens
+    )
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -358,9 +365,6 @@ def mita_attention_fused(
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, landmarks)):
         out, pooled, experts, routes = _FusedMiTA.apply(*_distinct([q_, k_, v_]), given, cfg, bins)
     else:  # no graph to record (inference): the kernel alone, without the autograd.Function's cost a call
-        offsets, tokens = bins if given is None else (None, None)
-        out, experts, routes, pooled, *_ = torch.ops.mita.fused_forward(
-            q_, k_, v_, given, *_masks(cfg), cfg.topk, cfg.num_routed, cfg.scale, cfg.landmark_scale, offsets, tokens
-        )
+        out, experts, routes, pooled, *_ = _fused_forward(q_, k_, v_, given, cfg, bins)
     pooled = pooled if pooled.dtype == q.dtype else pooled.to(q.dtype)
     return out, (pooled if landmarks is None else landmarks, experts, routes)

@@ -161,6 +161,13 @@ def _plan(routes: torch.Tensor, m: int, block_m: int) -> tuple[torch.Tensor, tor
     return slot, tile_expert, row_pair
 
 
+def _row_buffer(q: torch.Tensor, row_pair: torch.Tensor, s: int) -> torch.Tensor:
+    """Where the kernels write a row of D per (query, route): with s = 1 the query rows themselves, in
+    q's dtype (each query has one pair); else one float32 row per tile slot, merged after."""
+    B, H, Nq, D = q.shape
+    return q.new_empty(B * H * Nq, D) if s == 1 else q.new_empty(row_pair.numel(), D, dtype=torch.float32)
+
+
 def _launch_args(q, k, v, landmarks, v_shared, experts, key_mask):
     """The kernels' shared arguments: contiguous tensors, sizes, constexprs."""
     H, D = q.shape[1], q.shape[3]
@@ -209,9 +216,8 @@ def triton_forward(
     s = routes.shape[3]
     tensors, mask, sizes, meta = _launch_args(q, k, v, landmarks, v_shared, experts, key_mask)
     slot, tile_expert, row_pair = _plan(routes, meta["M"], meta["BLOCK_M"])
-    rows = B * H * Nq if s == 1 else row_pair.numel()  # s = 1: the kernel writes the output itself
-    o_part = q.new_empty(rows, D, dtype=q.dtype if s == 1 else torch.float32)
-    lse_part = q.new_empty(rows, dtype=torch.float32)
+    o_part = _row_buffer(q, row_pair, s)
+    lse_part = q.new_empty(o_part.shape[0], dtype=torch.float32)
     mita_fwd_kernel[(tile_expert.numel(),)](
         *tensors, mask, tile_expert, row_pair, o_part, lse_part, *sizes, scale, landmark_scale, S=s, **meta
     )
@@ -253,8 +259,7 @@ def triton_backward(
     slot, tile_expert, row_pair = _plan(routes, meta["M"], meta["BLOCK_M"])
     dout = dout.contiguous()
     delta = (dout.float() * out.float()).sum(-1).contiguous()
-    rows = B * H * Nq if s == 1 else row_pair.numel()
-    dq_part = q.new_empty(rows, D, dtype=q.dtype if s == 1 else torch.float32)
+    dq_part = _row_buffer(q, row_pair, s)
     dk, dv = (k.new_zeros(k.shape, dtype=torch.float32) for _ in range(2))
     dlm, dvs = (q.new_zeros(landmarks.shape, dtype=torch.float32) for _ in range(2))
     mita_bwd_kernel[(tile_expert.numel(),)](
