@@ -101,6 +101,13 @@ FLOAT32 = [
 ]
 
 
+def _routed_keys(r) -> torch.Tensor:
+    """(B, H, N, s, k): the keys of each query's routed experts."""
+    B, H, N, s = r.routes.shape
+    index = r.routes.reshape(B, H, N * s, 1).expand(-1, -1, -1, r.experts.shape[-1])
+    return r.experts.gather(2, index).reshape(B, H, N, s, -1)
+
+
 @pytest.mark.parametrize("case", FLOAT32, ids=[str(c) for c in FLOAT32])
 def test_fused_float32_products_match_float64(case: Case) -> None:
     """float32 takes other products than float64 (brgemm, operands transposed by register blocks,
@@ -114,7 +121,10 @@ def test_fused_float32_products_match_float64(case: Case) -> None:
         out, r = mita_attention(*leaves, **case.kwargs(mask), impl="fused", return_routing=True)
         results.append((out, *torch.autograd.grad(out, leaves, grad.to(dtype)), r))
     (r32, r64) = results[0][4], results[1][4]
-    same = torch.equal(r32.experts, r64.experts) and torch.equal(r32.routes, r64.routes)
+    # The keys each query attends: landmarks pooled from the same real tokens (padding) are equal,
+    # and their exact tie may go to either copy in either dtype, with the same keys and output.
+    keys32, keys64 = (_routed_keys(r) for r in (r32, r64))
+    same = torch.equal(r32.experts, r64.experts) and torch.equal(keys32, keys64)
     assert same, "a near-tie went the other way in float32 on this draw: pick another case"
     for a, b in zip(results[0][:4], results[1][:4]):
         scale = b.abs().max().item()

@@ -39,12 +39,12 @@ struct Forward {
   // One thread's buffers, sized for phase A on up to `rows` landmark rows (Kb, Vb: a block of
   // keys and values converted from half precision, else empty).
   struct Scratch {
-    std::vector<T> S, mx, sum, Gt, Ke, Ve, Qb, Sb, Ob, lse, a, w, Kb, Vb;
+    std::vector<T> S, mx, sum, G, Ke, Ve, Qb, Sb, Ob, lse, a, w, Kb, Vb;
     std::vector<Key> keys, block_keys;
     std::vector<int32_t> index;
     std::vector<int64_t> order;
     Scratch(const Forward& f, int64_t rows)
-        : S(rows * kKeyBlock), mx(rows), sum(rows), Gt(padded_ld<T>(kQueryBlock) * f.m), Ke(f.topk * f.D), Ve(f.topk * f.D),
+        : S(rows * kKeyBlock), mx(rows), sum(rows), G(kQueryBlock * padded_ld<T>(f.m)), Ke(f.topk * f.D), Ve(f.topk * f.D),
           Qb(padded_ld<T>(kQueryBlock) * f.D), Sb(padded_ld<T>(kQueryBlock) * std::max(f.topk, f.m)), Ob(kQueryBlock * f.D), lse(padded_ld<T>(kQueryBlock)),
           a(padded_ld<T>(kQueryBlock)), w(padded_ld<T>(kQueryBlock)), keys(rows * (f.topk + kKeyBlock + 2 * Vectorized<Key>::size())),
           block_keys(kKeyBlock), index(rows * (f.topk + kKeyBlock + 2 * Vectorized<Key>::size())), order(f.m),
@@ -118,57 +118,54 @@ struct Forward {
     }
   }
 
-  // B: gate, routes and the shared branch of queries t0 .. t0+nq of head x. The gates are
-  // computed transposed, G^T = L Q^T (m x nq: MKL ran this shape 1.2-1.7x faster than Q L^T at
-  // m = 49), so that the argmax and the softmax over the m landmarks run with the queries as lanes.
+  // B: gate, routes and the shared branch of queries t0 .. t0+nq of head x. G = Q L^T (nq x m) takes
+  // the query rows in place and feeds the shared branch's product as it is: no transpose of a query
+  // block or of G (computed as G^T = L Q^T for the queries as lanes, both were transposed for brgemm).
+  // Each query's argmax, softmax and log-sum-exp run along its row of m gates, padded with -inf.
   void gate(int64_t x, int64_t t0, int64_t nq, Scratch& sc) const {
     using V = Vectorized<T>;
     const T ninf = -std::numeric_limits<T>::infinity();
     const bool* qm = query_mask ? query_mask + (x / H) * Nq : nullptr;
-    const int64_t ld = padded_ld<T>(nq);
-    T* Gt = sc.Gt.data();
+    const int64_t ld = padded_ld<T>(m), W = V::size();
+    T* G = sc.G.data();
     int64_t lq = qr.st;
     const T* Qb = rows_as(qx(x) + t0 * qr.st, nq, D, lq, sc.Qb.data());
-    gemm<T>(false, true, m, nq, D, L + x * m * D, D, Qb, lq, false, Gt, ld);
-    for (int64_t e = 0; e < m; ++e) std::fill(Gt + e * ld + nq, Gt + (e + 1) * ld, T(0));  // whole vectors
-    if (s > 1)  // the s largest gates of each query, ties to the lower landmark
-      for (int64_t i = 0; i < nq; ++i) {
-        int64_t* order = sc.order.data();
-        for (int64_t e = 0; e < m; ++e) order[e] = e;
-        const T* col = Gt + i;
-        std::partial_sort(order, order + s, order + m, [col, ld](int64_t a, int64_t c) {
-          return col[a * ld] > col[c * ld] || (col[a * ld] == col[c * ld] && a < c);
-        });
-        std::copy(order, order + s, R + (x * Nq + t0 + i) * s);
-      }
+    gemm<T>(false, true, nq, m, D, Qb, lq, L + x * m * D, D, false, G, ld);
     const V vls(lscale), vninf(ninf);
-    for (int64_t i0 = 0; i0 < ld; i0 += V::size()) {
-      // The first largest gate of each query (a NaN among them routes to 0) and the largest gate.
-      V gmax = vninf, best = vninf, arg(T(0));
-      for (int64_t e = 0; e < m; ++e) {
-        const V g = V::loadu(Gt + e * ld + i0);
-        gmax = at::vec::maximum(gmax, g);
-        const V better = g > best;
-        best = V::blendv(best, g, better);
-        arg = V::blendv(arg, V(T(e)), better);
+    for (int64_t i = 0; i < nq; ++i) {
+      T* g = G + i * ld;
+      std::fill(g + m, g + ld, ninf);  // whole vectors
+      V vmax = vninf;
+      for (int64_t j = 0; j < ld; j += W) vmax = at::vec::maximum(vmax, V::loadu(g + j));
+      const T gmax = at::vec::vec_reduce_all<T>([](V& p, V& c) { return at::vec::maximum(p, c); }, vmax);
+      int64_t* r = R + (x * Nq + t0 + i) * s;
+      if (s == 1) {  // the first largest gate (a NaN among them routes to 0)
+        int64_t arg = 0;
+        if (gmax == gmax)
+          for (int64_t j = 0; j < ld; j += W)
+            if (const int hit = ~(V::loadu(g + j) == V(gmax)).zero_mask() & ((1 << W) - 1)) {
+              arg = j + __builtin_ctz(hit);
+              break;
+            }
+        r[0] = arg;
+      } else {  // the s largest gates, ties to the lower landmark
+        int64_t* order = sc.order.data();
+        std::iota(order, order + m, int64_t(0));
+        std::partial_sort(order, order + s, order + m,
+                          [g](int64_t a, int64_t c) { return g[a] > g[c] || (g[a] == g[c] && a < c); });
+        std::copy(order, order + s, r);
       }
-      arg = V::blendv(arg, V(T(0)), gmax != gmax);
-      const V lmax = gmax * vls;  // the largest logit
+      const V vm(gmax);  // the difference scaled, never above 0: see exp_sum
       V sum(T(0));
-      for (int64_t e = 0; e < m; ++e) {  // the difference scaled, never above 0: see exp_sum
-        const V p = vexp((V::loadu(Gt + e * ld + i0) - gmax) * vls);
-        p.store(Gt + e * ld + i0);
+      for (int64_t j = 0; j < ld; j += W) {
+        const V p = vexp((V::loadu(g + j) - vm) * vls);
+        p.store(g + j);
         sum = sum + p;
       }
-      const V inv = V(T(1)) / sum;
-      for (int64_t e = 0; e < m; ++e) (V::loadu(Gt + e * ld + i0) * inv).store(Gt + e * ld + i0);
-      lmax.store(sc.a.data() + i0);
-      sum.store(sc.w.data() + i0);
-      if (s == 1) {
-        T args[V::size()];
-        arg.store(args);
-        for (int64_t i = i0; i < std::min(nq, i0 + V::size()); ++i) R[x * Nq + t0 + i] = int64_t(args[i - i0]);
-      }
+      const T tot = at::vec::vec_reduce_all<T>([](V& p, V& c) { return p + c; }, sum);
+      scale_row(g, m, T(1) / tot);
+      sc.a[i] = gmax * lscale;  // the largest logit
+      sc.w[i] = tot;
     }
     if (qm)
       for (int64_t i = 0; i < nq; ++i) {
@@ -176,13 +173,13 @@ struct Forward {
         if (qm[t]) continue;
         // A padded query: no routes of its own, zero output.
         for (int64_t j = 0; j < s; ++j) R[(x * Nq + t) * s + j] = j;
-        for (int64_t e = 0; e < m; ++e) Gt[e * ld + i] = T(0);
+        std::fill(G + i * ld, G + i * ld + m, T(0));
         sc.a[i] = ninf;
         sc.w[i] = T(1);
         LT[x * Nq + t] = T(0);
       }
     log_add(sc.w.data(), sc.a.data(), LSE + x * Nq + t0, nq);  // lse = max + log(sum)
-    gemm<T>(true, false, nq, D, m, Gt, ld, VS + x * m * D, D, false, ox(x) + t0 * outr.st, outr.st);
+    gemm<T>(false, false, nq, D, m, G, ld, VS + x * m * D, D, false, ox(x) + t0 * outr.st, outr.st);
   }
 
   // C: the routed expert e of head x attends its queries; merged into out (s = 1) or kept.
