@@ -255,6 +255,8 @@ struct Forward {
     };
     rows_as_columns<T>(nb, D, ld, scale, [&](int64_t i) { return qx(x) + (mem[i] / s) * qr.st; }, Qt);
     small_gemm<T>(kk, ld, D, krow, 1, [&](int64_t d) { return Qt + d * ld; }, St, ld);
+    if (s == 1 && Nk * D * int64_t(sizeof(T)) > kPrefetchAbove)  // the output rows merge_block updates
+      for (int64_t i = 0; i < nb; ++i) prefetch_row(ox(x) + mem[i] * outr.st, D);
     for (int64_t i0 = 0; i0 < ld; i0 += V::size()) {  // the queries are the lanes
       V mx(-std::numeric_limits<T>::infinity()), sum(T(0));
       for (int64_t j = 0; j < kk; ++j) mx = at::vec::maximum(mx, V::loadu(St + j * ld + i0));
