@@ -42,7 +42,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
     const SingleThreadedBlas blas;
     const int64_t nbuf = std::max({padded_ld<T>(kQueryBlock), kKeyBlock, topk});
-    std::vector<T> delta(Nq), dvs(m * D), rowdot(m), P(nbuf * std::max(m, topk)), dP(nbuf * std::max(m, topk));
+    std::vector<T> delta(Nq), dvs(m * D), rowdot(padded_ld<T>(m)), la(rowdot.size()), P(nbuf * std::max(padded_ld<T>(m), topk)), dP(nbuf * std::max(padded_ld<T>(m), topk));
     std::vector<T> Qb(padded_ld<T>(kQueryBlock) * D), dOb(padded_ld<T>(kQueryBlock) * D), dQb(kQueryBlock * D), Ke(topk * D), Ve(topk * D),
         dKe(topk * D), dVe(topk * D);
     // Half precision: a key block converted, and the head's gradients in T until rounded at its end.
@@ -74,57 +74,69 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         for (int64_t t = 0; t < Nq; ++t) delta[t] = (qm && !qm[t]) ? T(0) : row_dot<T>(dOx + t * dos, Ox + t * os, D);
         std::fill(dvs.begin(), dvs.end(), T(0));
 
-        // Shared expert: logits ls * q.q~, values v~; transposed as in the forward's gate (m x nq,
-        // the queries as lanes).
+        // Shared expert: logits ls * q.q~, values v~, as the forward's gate: P = Q L^T and dP = dO V~^T
+        // (nq x m, a row per query) take the query and dout rows in place and give dq = dP L as they
+        // are; only the sums over queries (dL, dv~) read P and dP transposed.
+        using V = Vectorized<T>;
+        const int64_t ldm = padded_ld<T>(m);
+        const V vls(lscale), vs0(scale);
         for (int64_t t0 = 0; t0 < Nq; t0 += kQueryBlock) {
-          using V = Vectorized<T>;
-          const int64_t nq = std::min(kQueryBlock, Nq - t0), ld = padded_ld<T>(nq);
-          T *Pt = P.data(), *dPt = dP.data();
+          const int64_t nq = std::min(kQueryBlock, Nq - t0);
+          T *Pq = P.data(), *dPq = dP.data();
           int64_t lq = qs, ldo = dos;
           const T* Qt0 = rows_as(Qx + t0 * qs, nq, D, lq, Qb.data());
           const T* dOt0 = rows_as(dOx + t0 * dos, nq, D, ldo, dOb.data());
-          gemm<T>(false, true, m, nq, D, Lx, D, Qt0, lq, false, Pt, ld);
-          gemm<T>(false, true, m, nq, D, VSx, D, dOt0, ldo, false, dPt, ld);
-          const V vls(lscale);
-          for (int64_t i0 = 0; i0 < nq; i0 += V::size()) {
-            const int64_t c = std::min<int64_t>(V::size(), nq - i0);
-            const V lse = V::loadu(LTx + t0 + i0, c), dl = V::loadu(delta.data() + t0 + i0, c);
-            for (int64_t e = 0; e < m; ++e) {
-              const V p = prob(V::loadu(Pt + e * ld + i0), vls, lse);
-              p.store(Pt + e * ld + i0);
-              (vls * p * (V::loadu(dPt + e * ld + i0) - dl)).store(dPt + e * ld + i0);
+          gemm<T>(false, true, nq, m, D, Qt0, lq, Lx, D, false, Pq, ldm);
+          gemm<T>(false, true, nq, m, D, dOt0, ldo, VSx, D, false, dPq, ldm);
+          for (int64_t i = 0; i < nq; ++i) {
+            T *p = Pq + i * ldm, *dp = dPq + i * ldm;
+            if (qm && !qm[t0 + i]) {
+              std::fill(p, p + m, T(0));
+              std::fill(dp, dp + m, T(0));
+              continue;
+            }
+            const V lse(LTx[t0 + i]), dl(delta[t0 + i]);
+            for (int64_t e = 0; e < ldm; e += V::size()) {  // whole vectors: the row's padding is never read
+              const V pv = prob(V::loadu(p + e), vls, lse);
+              pv.store(p + e);
+              (vls * pv * (V::loadu(dp + e) - dl)).store(dp + e);
             }
           }
-          if (qm)
-            for (int64_t i = 0; i < nq; ++i)
-              if (!qm[t0 + i])
-                for (int64_t e = 0; e < m; ++e) Pt[e * ld + i] = dPt[e * ld + i] = T(0);
-          gemm<T>(true, false, nq, D, m, dPt, ld, Lx, D, false, dQx + t0 * D, D);
-          gemm<T>(false, false, m, D, nq, dPt, ld, Qt0, lq, true, dLx, D);
-          gemm<T>(false, false, m, D, nq, Pt, ld, dOt0, ldo, true, dvs.data(), D);
+          gemm<T>(false, false, nq, D, m, dPq, ldm, Lx, D, false, dQx + t0 * D, D);
+          gemm<T>(true, false, m, D, nq, dPq, ldm, Qt0, lq, true, dLx, D);
+          gemm<T>(true, false, m, D, nq, Pq, ldm, dOt0, ldo, true, dvs.data(), D);
         }
 
-        // Shared values v~ = softmax(s0 A) V, by key blocks: P_A recomputed from its log-sum-exp. It
-        // covers every key, so it writes the head's dk and dv rows first (no zero-fill of them).
+        // Shared values v~ = softmax(s0 A) V, by key blocks: P_A recomputed from its log-sum-exp, as
+        // P = K L^T and dP = V dv~^T (nb x m, a row per key, the landmarks as lanes), so that dv = P dv~
+        // and dk = dP L take them as they are; only dL += dP^T K reads one transposed. It covers
+        // every key, so it writes the head's dk and dv rows first (no zero-fill of them).
         for (int64_t i = 0; i < m; ++i) rowdot[i] = row_dot<T>(dvs.data() + i * D, VSx + i * D, D);
+        std::copy(LA + x * m, LA + (x + 1) * m, la.begin());  // (both padded to whole vectors)
         for (int64_t j0 = 0; j0 < Nk; j0 += kKeyBlock) {
           const int64_t nb = std::min(kKeyBlock, Nk - j0);
           int64_t lk = ks, lv = vs;
           const T* Kt0 = rows_as(Kx + j0 * ks, nb, D, lk, Kb.data());
           const T* Vt0 = rows_as(Vx + j0 * vs, nb, D, lv, Vb.data());
-          gemm<T>(false, true, m, nb, D, Lx, D, Kt0, lk, false, P.data(), nb);
-          gemm<T>(false, true, m, nb, D, dvs.data(), D, Vt0, lv, false, dP.data(), nb);
-          for (int64_t i = 0; i < m; ++i) {
-            T *p = P.data() + i * nb, *dp = dP.data() + i * nb;
-            probs(p, nb, scale, LA[x * m + i]);
-            for (int64_t j = 0; j < nb; ++j) {
-              if (km && !km[j0 + j]) p[j] = T(0);
-              dp[j] = scale * p[j] * (dp[j] - rowdot[i]);
+          T *Pk = P.data(), *dPk = dP.data();
+          gemm<T>(false, true, nb, m, D, Kt0, lk, Lx, D, false, Pk, ldm);
+          gemm<T>(false, true, nb, m, D, Vt0, lv, dvs.data(), D, false, dPk, ldm);
+          for (int64_t j = 0; j < nb; ++j) {
+            T *p = Pk + j * ldm, *dp = dPk + j * ldm;
+            if (km && !km[j0 + j]) {
+              std::fill(p, p + m, T(0));
+              std::fill(dp, dp + m, T(0));
+              continue;
+            }
+            for (int64_t e = 0; e < ldm; e += V::size()) {
+              const V pv = prob(V::loadu(p + e), vs0, V::loadu(la.data() + e));
+              pv.store(p + e);
+              (vs0 * pv * (V::loadu(dp + e) - V::loadu(rowdot.data() + e))).store(dp + e);
             }
           }
-          gemm<T>(true, false, nb, D, m, P.data(), nb, dvs.data(), D, false, dVx + j0 * D, D);
-          gemm<T>(false, false, m, D, nb, dP.data(), nb, Kt0, lk, true, dLx, D);
-          gemm<T>(true, false, nb, D, m, dP.data(), nb, Lx, D, false, dKx + j0 * D, D);
+          gemm<T>(false, false, nb, D, m, Pk, ldm, dvs.data(), D, false, dVx + j0 * D, D);
+          gemm<T>(false, false, nb, D, m, dPk, ldm, Lx, D, false, dKx + j0 * D, D);
+          gemm<T>(true, false, m, D, nb, dPk, ldm, Kt0, lk, true, dLx, D);
         }
 
         // Routed experts: queries grouped by expert, as in the forward (members hold t * s + j).
