@@ -33,6 +33,46 @@ constexpr auto kCompress8 = [] {
 }();
 #endif
 
+#if defined(CPU_CAPABILITY_AVX512)
+// Whether any of the 16 keys at u is above t.
+inline bool above(const int32_t* u, int32_t t) {
+  return _mm512_cmpgt_epi32_mask(_mm512_loadu_si512(u), _mm512_set1_epi32(t)) != 0;
+}
+// The 16 keys at u above t, and their indices (first, first + 1, ...), packed into kp and ip
+// (whole vectors stored); returns how many.
+inline int64_t pack_above(const int32_t* u, int32_t first, int32_t t, int32_t* kp, int32_t* ip) {
+  const __m512i v = _mm512_loadu_si512(u);
+  const __mmask16 keep = _mm512_cmpgt_epi32_mask(v, _mm512_set1_epi32(t));
+  const __m512i ix = _mm512_add_epi32(_mm512_set1_epi32(first),
+                                      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  _mm512_storeu_si512(kp, _mm512_maskz_compress_epi32(keep, v));
+  _mm512_storeu_si512(ip, _mm512_maskz_compress_epi32(keep, ix));
+  return __builtin_popcount(keep);
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+// The lanes of the 8 keys u above t, and of their indices ix: one permute from kCompress8 packs
+// them to the front of kp and ip (whole vectors stored); returns how many.
+inline int64_t pack8(__m256i u, __m256i ix, __m256i t, int32_t* kp, int32_t* ip) {
+  const int bits = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(u, t)));
+  const __m256i perm = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(kCompress8.data() + bits)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(kp), _mm256_permutevar8x32_epi32(u, perm));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(ip), _mm256_permutevar8x32_epi32(ix, perm));
+  return __builtin_popcount(bits);
+}
+inline bool above(const int32_t* u, int32_t t) {
+  const __m256i vt = _mm256_set1_epi32(t);
+  const __m256i a = _mm256_cmpgt_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u)), vt);
+  const __m256i b = _mm256_cmpgt_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 8)), vt);
+  return !_mm256_testz_si256(_mm256_or_si256(a, b), _mm256_or_si256(a, b));
+}
+inline int64_t pack_above(const int32_t* u, int32_t first, int32_t t, int32_t* kp, int32_t* ip) {
+  const __m256i vt = _mm256_set1_epi32(t), ix = _mm256_add_epi32(_mm256_set1_epi32(first), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const int64_t a = pack8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u)), ix, vt, kp, ip);
+  return a + pack8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 8)), _mm256_add_epi32(ix, _mm256_set1_epi32(8)),
+                   vt, kp + a, ip + a);
+}
+#endif
+
 // Top-k of one row, streamed block by block, by threshold selection: keys above the current
 // k-th best join a candidate buffer, which is cut back to its k best when full (and at the
 // end). The cut finds the k-th largest key by bisection on its bits, each step one vectorised
@@ -66,7 +106,16 @@ struct TopK {
     if (real)
       for (int64_t j = 0; j < n; ++j) scratch[j] = real[j] ? scratch[j] : kPadded;
     constexpr int64_t W = 16;
-    for (int64_t c = 0; c < n; c += W) {
+    int64_t c = 0;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    if constexpr (sizeof(S) == 4)  // whole chunks: the keys above the floor packed by vector permutes
+      for (; c + W <= n; c += W) {
+        if (!above(scratch + c, floor)) continue;  // the common case once the buffer holds good keys
+        if (size + W > cap) cut();                 // full: keep the k best, raising the floor
+        size += pack_above(scratch + c, static_cast<int32_t>(j0 + c), floor, key + size, index + size);
+      }
+#endif
+    for (; c < n; c += W) {
       const int64_t e = std::min(n, c + W);
       S top = kPadded, low = std::numeric_limits<S>::max();
       for (int64_t j = c; j < e; ++j) {
@@ -171,14 +220,8 @@ struct TopK {
         for (; i + 8 <= n; i += 8) {  // kept <= i: the stores reach no key not yet loaded
           const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp + i));
           const __m256i ix = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ip + i));
-          const __m256i keep = _mm256_cmpgt_epi32(u, vth);
-          const int bits = _mm256_movemask_ps(_mm256_castsi256_ps(keep));
-          const auto* lanes_of = reinterpret_cast<const __m128i*>(kCompress8.data() + bits);
-          const __m256i perm = _mm256_cvtepu8_epi32(_mm_loadl_epi64(lanes_of));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(kp + kept), _mm256_permutevar8x32_epi32(u, perm));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(ip + kept), _mm256_permutevar8x32_epi32(ix, perm));
-          low = _mm256_min_epi32(low, _mm256_blendv_epi8(vmax, u, keep));
-          kept += __builtin_popcount(bits);
+          low = _mm256_min_epi32(low, _mm256_blendv_epi8(vmax, u, _mm256_cmpgt_epi32(u, vth)));
+          kept += pack8(u, ix, vth, kp + kept, ip + kept);
         }
         alignas(32) int32_t lanes[8];
         _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), low);
