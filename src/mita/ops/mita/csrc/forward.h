@@ -433,10 +433,19 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
     for (int64_t x = begin; x < end; ++x) f.group(x);
   });
-  at::parallel_for(0, X * m, 1, [&](int64_t begin, int64_t end) {
+  // Experts handed out in shrinking runs from a shared counter (as OpenMP's guided schedule): their
+  // sizes vary with the routing, and a fixed half per thread left one thread waiting at the end.
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     const SingleThreadedBlas blas;
     typename Forward<T, In>::Scratch sc(f, 1);
-    for (int64_t item = begin; item < end; ++item) f.routed(item / m, item % m, sc);
+    for (;;) {
+      const int64_t left = X * m - next.load(std::memory_order_relaxed);
+      const int64_t run = std::max<int64_t>(1, left / (2 * threads));
+      const int64_t begin = next.fetch_add(run, std::memory_order_relaxed);
+      if (begin >= X * m) break;
+      for (int64_t item = begin; item < std::min(begin + run, X * m); ++item) f.routed(item / m, item % m, sc);
+    }
   });
   if (s > 1) at::parallel_for(0, X * Nq, 256, [&](int64_t begin, int64_t end) { f.merge(begin, end); });
   if (Forward<T, In>::kHalf)
