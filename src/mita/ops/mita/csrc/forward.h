@@ -406,6 +406,22 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     return;
   }
   // Large heads: each phase split across the threads (landmark rows, query blocks, experts).
+  // Items handed out in shrinking runs from a shared counter (as OpenMP's guided schedule): with a
+  // fixed half per thread, phase timers at N = 4,096 had one thread 10-13% busier than the other,
+  // which then waited. Each item has one writer, so no result depends on which thread takes it.
+  const auto guided_for = [&](int64_t n, const auto& body) {
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      const SingleThreadedBlas blas;
+      typename Forward<T, In>::Scratch sc(f, 1);
+      for (;;) {
+        const int64_t run = std::max<int64_t>(1, (n - next.load(std::memory_order_relaxed)) / (2 * threads));
+        const int64_t begin = next.fetch_add(run, std::memory_order_relaxed);
+        if (begin >= n) break;
+        body(begin, std::min(begin + run, n), sc);
+      }
+    });
+  };
   if (bins) at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
       for (int64_t x = begin; x < end; ++x) f.pool(x);
     });
@@ -422,9 +438,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   // Items ordered (batch, query block, head): out is (B, N, H, D) in memory, so each thread writes
   // (and first touches) a range of out of its own instead of every thread every page.
   const int64_t qblocks = (Nq + kQueryBlock - 1) / kQueryBlock;
-  at::parallel_for(0, X * qblocks, 1, [&](int64_t begin, int64_t end) {
-    const SingleThreadedBlas blas;
-    typename Forward<T, In>::Scratch sc(f, 1);
+  guided_for(X * qblocks, [&](int64_t begin, int64_t end, typename Forward<T, In>::Scratch& sc) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (qblocks * H), t0 = (item / H % qblocks) * kQueryBlock, x = b * H + item % H;
       f.gate(x, t0, std::min(kQueryBlock, Nq - t0), sc);
@@ -433,19 +447,8 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
     for (int64_t x = begin; x < end; ++x) f.group(x);
   });
-  // Experts handed out in shrinking runs from a shared counter (as OpenMP's guided schedule): their
-  // sizes vary with the routing, and a fixed half per thread left one thread waiting at the end.
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    const SingleThreadedBlas blas;
-    typename Forward<T, In>::Scratch sc(f, 1);
-    for (;;) {
-      const int64_t left = X * m - next.load(std::memory_order_relaxed);
-      const int64_t run = std::max<int64_t>(1, left / (2 * threads));
-      const int64_t begin = next.fetch_add(run, std::memory_order_relaxed);
-      if (begin >= X * m) break;
-      for (int64_t item = begin; item < std::min(begin + run, X * m); ++item) f.routed(item / m, item % m, sc);
-    }
+  guided_for(X * m, [&](int64_t begin, int64_t end, typename Forward<T, In>::Scratch& sc) {
+    for (int64_t item = begin; item < end; ++item) f.routed(item / m, item % m, sc);
   });
   if (s > 1) at::parallel_for(0, X * Nq, 256, [&](int64_t begin, int64_t end) { f.merge(begin, end); });
   if (Forward<T, In>::kHalf)
