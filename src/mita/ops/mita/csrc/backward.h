@@ -80,6 +80,25 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         using V = Vectorized<T>;
         const int64_t ldm = padded_ld<T>(m);
         const V vls(lscale), vs0(scale);
+        // Rows of P and dP (n rows, ldm apart) from their logits: p <- prob(p, a, lse), dp <- a p (dp - c),
+        // lse(i, e) and c(i, e) the vectors of row i at column e; padded rows (real(i) false) zero.
+        // Whole vectors: a row's padding is never read.
+        const auto logit_grads = [&](T* P0, T* dP0, int64_t n, const V& a, const auto& real, const auto& lse,
+                                     const auto& c) {
+          for (int64_t i = 0; i < n; ++i) {
+            T *p = P0 + i * ldm, *dp = dP0 + i * ldm;
+            if (!real(i)) {
+              std::fill(p, p + m, T(0));
+              std::fill(dp, dp + m, T(0));
+              continue;
+            }
+            for (int64_t e = 0; e < ldm; e += V::size()) {
+              const V pv = prob(V::loadu(p + e), a, lse(i, e));
+              pv.store(p + e);
+              (a * pv * (V::loadu(dp + e) - c(i, e))).store(dp + e);
+            }
+          }
+        };
         for (int64_t t0 = 0; t0 < Nq; t0 += kQueryBlock) {
           const int64_t nq = std::min(kQueryBlock, Nq - t0);
           T *Pq = P.data(), *dPq = dP.data();
@@ -88,20 +107,9 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           const T* dOt0 = rows_as(dOx + t0 * dos, nq, D, ldo, dOb.data());
           gemm<T>(false, true, nq, m, D, Qt0, lq, Lx, D, false, Pq, ldm);
           gemm<T>(false, true, nq, m, D, dOt0, ldo, VSx, D, false, dPq, ldm);
-          for (int64_t i = 0; i < nq; ++i) {
-            T *p = Pq + i * ldm, *dp = dPq + i * ldm;
-            if (qm && !qm[t0 + i]) {
-              std::fill(p, p + m, T(0));
-              std::fill(dp, dp + m, T(0));
-              continue;
-            }
-            const V lse(LTx[t0 + i]), dl(delta[t0 + i]);
-            for (int64_t e = 0; e < ldm; e += V::size()) {  // whole vectors: the row's padding is never read
-              const V pv = prob(V::loadu(p + e), vls, lse);
-              pv.store(p + e);
-              (vls * pv * (V::loadu(dp + e) - dl)).store(dp + e);
-            }
-          }
+          logit_grads(
+              Pq, dPq, nq, vls, [&](int64_t i) { return !qm || qm[t0 + i]; },
+              [&](int64_t i, int64_t) { return V(LTx[t0 + i]); }, [&](int64_t i, int64_t) { return V(delta[t0 + i]); });
           gemm<T>(false, false, nq, D, m, dPq, ldm, Lx, D, false, dQx + t0 * D, D);
           gemm<T>(true, false, m, D, nq, dPq, ldm, Qt0, lq, true, dLx, D);
           gemm<T>(true, false, m, D, nq, Pq, ldm, dOt0, ldo, true, dvs.data(), D);
@@ -121,19 +129,10 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           T *Pk = P.data(), *dPk = dP.data();
           gemm<T>(false, true, nb, m, D, Kt0, lk, Lx, D, false, Pk, ldm);
           gemm<T>(false, true, nb, m, D, Vt0, lv, dvs.data(), D, false, dPk, ldm);
-          for (int64_t j = 0; j < nb; ++j) {
-            T *p = Pk + j * ldm, *dp = dPk + j * ldm;
-            if (km && !km[j0 + j]) {
-              std::fill(p, p + m, T(0));
-              std::fill(dp, dp + m, T(0));
-              continue;
-            }
-            for (int64_t e = 0; e < ldm; e += V::size()) {
-              const V pv = prob(V::loadu(p + e), vs0, V::loadu(la.data() + e));
-              pv.store(p + e);
-              (vs0 * pv * (V::loadu(dp + e) - V::loadu(rowdot.data() + e))).store(dp + e);
-            }
-          }
+          logit_grads(
+              Pk, dPk, nb, vs0, [&](int64_t j) { return !km || km[j0 + j]; },
+              [&](int64_t, int64_t e) { return V::loadu(la.data() + e); },
+              [&](int64_t, int64_t e) { return V::loadu(rowdot.data() + e); });
           gemm<T>(false, false, nb, D, m, Pk, ldm, dvs.data(), D, false, dVx + j0 * D, D);
           gemm<T>(false, false, nb, D, m, dPk, ldm, Lx, D, false, dKx + j0 * D, D);
           gemm<T>(true, false, m, D, nb, dPk, ldm, Kt0, lk, true, dLx, D);
