@@ -366,5 +366,4 @@ def mita_attention_fused(
         out, pooled, experts, routes = _FusedMiTA.apply(*_distinct([q_, k_, v_]), given, cfg, bins)
     else:  # no graph to record (inference): the kernel alone, without the autograd.Function's cost a call
         out, experts, routes, pooled, *_ = _fused_forward(q_, k_, v_, given, cfg, bins)
-    pooled = pooled if pooled.dtype == q.dtype else pooled.to(q.dtype)
-    return out, (pooled if landmarks is None else landmarks, experts, routes)
+    return out, (pooled.to(q.dtype) if landmarks is None else landmarks, experts, routes)

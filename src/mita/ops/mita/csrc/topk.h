@@ -38,16 +38,19 @@ constexpr auto kCompress8 = [] {
 inline bool above(const int32_t* u, int32_t t) {
   return _mm512_cmpgt_epi32_mask(_mm512_loadu_si512(u), _mm512_set1_epi32(t)) != 0;
 }
-// The 16 keys at u above t, and their indices (first, first + 1, ...), packed into kp and ip
-// (whole vectors stored); returns how many.
-inline int64_t pack_above(const int32_t* u, int32_t first, int32_t t, int32_t* kp, int32_t* ip) {
-  const __m512i v = _mm512_loadu_si512(u);
-  const __mmask16 keep = _mm512_cmpgt_epi32_mask(v, _mm512_set1_epi32(t));
-  const __m512i ix = _mm512_add_epi32(_mm512_set1_epi32(first),
-                                      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  _mm512_storeu_si512(kp, _mm512_maskz_compress_epi32(keep, v));
+// The lanes `keep` of the 16 keys u and of their indices ix, packed to the front of kp and ip by one
+// compress each (whole vectors stored); returns how many.
+inline int64_t pack16(__m512i u, __m512i ix, __mmask16 keep, int32_t* kp, int32_t* ip) {
+  _mm512_storeu_si512(kp, _mm512_maskz_compress_epi32(keep, u));
   _mm512_storeu_si512(ip, _mm512_maskz_compress_epi32(keep, ix));
   return __builtin_popcount(keep);
+}
+// The 16 keys at u above t, and their indices (first, first + 1, ...), packed into kp and ip.
+inline int64_t pack_above(const int32_t* u, int32_t first, int32_t t, int32_t* kp, int32_t* ip) {
+  const __m512i v = _mm512_loadu_si512(u);
+  const __m512i ix = _mm512_add_epi32(_mm512_set1_epi32(first),
+                                      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  return pack16(v, ix, _mm512_cmpgt_epi32_mask(v, _mm512_set1_epi32(t)), kp, ip);
 }
 #elif defined(CPU_CAPABILITY_AVX2)
 // The lanes of the 8 keys u above t, and of their indices ix: one permute from kCompress8 packs
@@ -203,10 +206,8 @@ struct TopK {
         for (; i + 16 <= n; i += 16) {  // kept <= i: the stores reach no key not yet loaded
           const __m512i u = _mm512_loadu_si512(kp + i), ix = _mm512_loadu_si512(ip + i);
           const __mmask16 keep = _mm512_cmpge_epi32_mask(u, vth);
-          _mm512_storeu_si512(kp + kept, _mm512_maskz_compress_epi32(keep, u));
-          _mm512_storeu_si512(ip + kept, _mm512_maskz_compress_epi32(keep, ix));
           low = _mm512_mask_min_epi32(low, keep, low, u);
-          kept += __builtin_popcount(keep);
+          kept += pack16(u, ix, keep, kp + kept, ip + kept);
         }
         least = _mm512_reduce_min_epi32(low);
       }
