@@ -84,9 +84,11 @@ def build(sources: list[str], folder: Path) -> list[object]:
     return spaces
 
 
-def time_case(case: str, spaces: list[object], modes: list[str], rounds: int, dtypes: list[str]) -> None:
-    """Checks every version against the first (in each dtype) on one case, then prints the medians
-    and ratios of every (version, dtype) pair."""
+def time_case(
+    case: str, spaces: list[object], modes: list[str], rounds: int, dtypes: list[str], check_versions: bool = True
+) -> None:
+    """Checks every version against the first (in each dtype; unless ``check_versions`` is False),
+    then prints the medians and ratios of every (version, dtype) pair."""
     B, H, N, m, grid, prefix = CASES[case]
     gen = torch.Generator().manual_seed(0)
     inputs32 = [torch.randn(B, H, N, 64, generator=gen) for _ in range(4)]
@@ -126,7 +128,7 @@ def time_case(case: str, spaces: list[object], modes: list[str], rounds: int, dt
     saved = [ns.fused_forward(*fwd_args(dt)) for _, ns, dt in pairs]
     grads = [backward(ns, dt, s) for (_, ns, dt), s in zip(pairs, saved)]
     first = {dt: j for j, (_, _, dt) in reversed(list(enumerate(pairs)))}
-    for j, (i, _, dt) in enumerate(pairs):
+    for j, (i, _, dt) in enumerate(pairs if check_versions else []):
         tol = 1e-3 if dt in (torch.float32, torch.float64) else 1e-2  # half: an output ulp apart
         for a, b in zip(saved[first[dt]] + grads[first[dt]], saved[j] + grads[j]):
             same = torch.equal(a, b) if a.dtype == torch.long else torch.allclose(a, b, rtol=tol, atol=tol / 10)
@@ -167,12 +169,18 @@ def main() -> None:
         choices=["float32", "float64", "bfloat16", "float16"],
         help="each version timed in each (default: float32); ratios are to the first version's first dtype",
     )
+    p.add_argument(
+        "--no-check",
+        action="store_true",
+        help="skip the agreement check: versions that compute differently (bfloat16 products against float32"
+        " scratch, whose routing may differ) are tested by tests/test_mita_fused.py instead",
+    )
     p.add_argument("--build", type=Path, default=fused.cache_root() / "kernel-ab", help="build folder (yours)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     spaces = build(args.sources, args.build)
     for case in args.cases:
-        time_case(case, spaces, args.modes, args.rounds, args.dtypes)
+        time_case(case, spaces, args.modes, args.rounds, args.dtypes, not args.no_check)
 
 
 if __name__ == "__main__":

@@ -392,6 +392,9 @@ HALF = [
     (Case(N=201, D=40, m=16, k=25, grid=(14, 14), prefix=1, mask=True), {"num_suffix_tokens": 4}),
     (Case(B=1, H=2, N=600, Nk=1500, D=16, m=10, k=600, s=3, mask=True), {}),  # cross-attention, long experts
     (Case(B=1, H=2, N=2100, D=48, m=24, k=40), {}),  # large heads: phase by phase, past the blocks
+    # large heads with odd key blocks, m and k (bfloat16 products pad them), s = 2, a short sequence
+    (Case(B=2, H=2, N=1999, D=64, m=25, k=33, s=2, mask=True), {}),
+    (Case(B=1, H=2, N=2100, D=33, m=24, k=40), {}),  # odd D: bfloat16 products fall back to float32
 ]
 
 
@@ -399,7 +402,8 @@ HALF = [
 @pytest.mark.parametrize("case,extra", HALF, ids=[str(c) for c, _ in HALF])
 def test_half_precision_within_twice_the_reference_error(case: Case, extra: dict, dtype: torch.dtype) -> None:
     """bfloat16 and float16 q, k, v go into the kernels as they are (converted block by block into
-    float32 scratch, written back in the input dtype): output and gradients against float64 on the
+    float32 scratch, or, for bfloat16 where ``fused.bf16_products()``, multiplied as bfloat16 in the
+    forward of large heads; written back in the input dtype): output and gradients against float64 on the
     same (rounded) inputs, within twice the error of the reference in that dtype (as flash-attn
     bounds its kernels by a reference implementation's own error), plus 1e-6 of the largest value.
     Landmarks are given (pooled in float64), so that every run routes alike."""
@@ -418,6 +422,23 @@ def test_half_precision_within_twice_the_reference_error(case: Case, extra: dict
         assert a.dtype == dtype, name
         bound = 2 * (b.double() - e).abs().max().item() + 1e-6 * e.abs().max().item()
         assert (a.double() - e).abs().max().item() <= bound, name
+
+
+def test_bf16_products_are_decided_by_the_cpu(monkeypatch) -> None:
+    """bfloat16 products only in AVX-512 builds on CPUs with bfloat16 hardware; MITA_BF16_PRODUCTS=0
+    turns them off; the choice is a define of the build, so part of the cache key."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(fused, "_isa", lambda: "AVX512")
+    assert fused.bf16_products() and "-DMITA_BF16_PRODUCTS" in fused._cflags()
+    monkeypatch.setenv("MITA_BF16_PRODUCTS", "0")
+    assert not fused.bf16_products() and "-DMITA_BF16_PRODUCTS" not in fused._cflags()
+    monkeypatch.delenv("MITA_BF16_PRODUCTS")
+    monkeypatch.setattr(fused, "_isa", lambda: "AVX2")
+    assert not fused.bf16_products()
+    monkeypatch.setattr(fused, "_isa", lambda: "AVX512")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    assert not fused.bf16_products()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

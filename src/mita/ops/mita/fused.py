@@ -14,15 +14,19 @@ Half precision (issue 29): bfloat16 and float16 q, k, v (and the output's gradie
 kernels as they are, without whole-tensor copies. The kernels convert each block they read into
 float32 scratch (a key block, a query block, an expert's gathered rows; small experts convert as
 they load), compute every product, softmax and merge in float32, and round the output (and dq,
-dk, dv) into the input dtype; the landmarks, v~ and log-sum-exps stay float32. Verified by
+dk, dv) into the input dtype; the landmarks, v~ and log-sum-exps stay float32. Where the CPU
+multiplies bfloat16 in hardware (:func:`bf16_products`: AVX512-BF16 or AMX), the bfloat16 forward
+instead multiplies bfloat16 operands with float32 accumulation (``at::native::cpublas::brgemm`` on
+VNNI-packed operands) in four of its six products: the experts' scores and shared values, the gate's
+scores and the routed scores; the gate's shared output and the routed output stay float32 (their
+probabilities rounded to bfloat16 doubled the output's error). Verified by
 ``tests/test_mita_fused.py``: outputs and gradients within twice the error of the reference in
 the same dtype against float64 (odd sizes, masks, prefix and suffix tokens, GQA, cross-attention,
 both schedules), and no copy of a (B, H, N, D) tensor in the profile of a forward and backward.
-Speed on an AMD EPYC Zen 3 (AVX2, no AMX): docs/performance.md, "Half precision". Half-precision
-*products* (``at::native::cpublas::brgemm`` on bfloat16 operands, AMX where
-``cpublas::could_pack`` says so) are not implemented: on CPUs without AMX or AVX512-BF16, such as
-the one this was measured on, they would fall back to a slower gemm, and no CPU with them was
-available to test a packed path; the float32-scratch path above is what every CPU runs.
+Speed: docs/performance.md, "Half precision" (float32 scratch on AMD Zen 3; bfloat16 products on
+AMD Zen 4 with AVX512-BF16). The bfloat16 products were run on AVX512-BF16 only: AMX takes the same
+brgemm calls (oneDNN picks the tiles), not run on an AMX machine. float16 products (brgemm needs
+AVX512-FP16 there) are not implemented.
 """
 
 from __future__ import annotations
@@ -61,9 +65,24 @@ def _isa() -> str:
     return "AVX512" if cap.startswith("AVX512") else "AVX2" if cap == "AVX2" else "DEFAULT"
 
 
+def bf16_products() -> bool:
+    """Whether bfloat16 calls multiply bfloat16 operands (float32 accumulation) instead of float32.
+
+    Decided once per machine from what torch reports: an AVX-512 build on a CPU that multiplies
+    bfloat16 in hardware (AVX512-BF16 or AMX tiles), where oneDNN's brgemm runs bfloat16 products at
+    about twice float32's rate (Zen 4) or more (AMX). Elsewhere brgemm would emulate them, slower
+    than the float32 path, which every other CPU keeps. ``MITA_BF16_PRODUCTS=0`` turns it off.
+    """
+    if os.environ.get("MITA_BF16_PRODUCTS", "1") == "0" or _isa() != "AVX512":
+        return False
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def _cflags() -> list[str]:
     isa = _isa()
     defines = [] if isa == "DEFAULT" else [f"-DCPU_CAPABILITY={isa}", f"-DCPU_CAPABILITY_{isa}"]
+    if bf16_products():
+        defines.append("-DMITA_BF16_PRODUCTS")
     return ["-O3", "-fopenmp", *_ISA_FLAGS.get(isa, []), *defines]
 
 

@@ -270,6 +270,106 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, int64_t
   }
 }
 
+// bfloat16 products (issue 29). Where the CPU multiplies bfloat16 in hardware (AVX512-BF16's
+// vdpbf16ps, AMX tiles), fused.py defines MITA_BF16_PRODUCTS and the forward of bfloat16 inputs
+// computes four of its six products (forward.h says which) from bfloat16 operands with float32
+// accumulation through ATen's brgemm (oneDNN's JIT micro-kernels) instead of converting its blocks
+// to float32: on a Zen 4 core, single products of the kernel's shapes (M, N = 25-256, K = 64-256)
+// ran 1.8-2.0x faster than float32 brgemm. brgemm
+// takes B in the VNNI layout: rows 2p and 2p + 1 interleaved element by element, (K / 2) x N x 2,
+// which the two packers below write. K must be even: an odd K is padded with a zero row of B and
+// a zero column of A (the A operands copied here are; one read in place needs an even D).
+using bf16 = c10::BFloat16;
+#if defined(MITA_BF16_PRODUCTS) && defined(CPU_CAPABILITY_AVX512)
+constexpr bool kBf16Products = true;
+
+// B (K x N, K even) with element (k, n) = col(n)[k], as VNNI into out: a pair (k, k + 1) of
+// column n is one 32-bit word of col(n) and goes to word (k / 2) * N + n of out, so this is a
+// transpose of 32-bit words, by the float transposes of 16 x 16 blocks (bits moved, not converted).
+template <typename CF>
+void vnni_from_columns(int64_t K, int64_t N, const CF& col, bf16* out) {
+  using V = Vectorized<float>;
+  constexpr int W = V::size();
+  const int64_t words = K / 2;
+  float* o = reinterpret_cast<float*>(out);
+  for (int64_t n0 = 0; n0 < N; n0 += W) {
+    const int64_t nn = std::min<int64_t>(W, N - n0);
+    const float* c[W];
+    for (int i = 0; i < W; ++i) c[i] = i < nn ? reinterpret_cast<const float*>(col(n0 + i)) : nullptr;
+    for (int64_t p0 = 0; p0 < words; p0 += W) {
+      const int64_t np = std::min<int64_t>(W, words - p0);
+      V r[W];
+      for (int i = 0; i < W; ++i) r[i] = c[i] ? V::loadu(c[i] + p0, np) : V(0.f);
+      transpose_block(r);
+      for (int j = 0; j < np; ++j) r[j].store(o + (p0 + j) * N + n0, nn);
+    }
+  }
+}
+
+// B (K x N) with element (k, n) = row(k)[n] (bfloat16 rows), as VNNI into out, K rounded up to
+// even with a zero row: each pair of rows interleaved 32 columns at a time by two 16-bit permutes.
+template <typename RF>
+void vnni_from_rows(int64_t K, int64_t N, const RF& row, bf16* out) {
+  alignas(64) static constexpr auto idx = [] {
+    std::array<int16_t, 64> t{};
+    for (int i = 0; i < 32; ++i) {
+      t[2 * (i % 16) + 32 * (i / 16)] = int16_t(i % 16 + 16 * (i / 16));
+      t[2 * (i % 16) + 1 + 32 * (i / 16)] = int16_t(32 + i % 16 + 16 * (i / 16));
+    }
+    return t;
+  }();
+  const __m512i lo = _mm512_load_si512(idx.data()), hi = _mm512_load_si512(idx.data() + 32);
+  for (int64_t k = 0; k < K; k += 2) {
+    const bf16 *a = row(k), *b = k + 1 < K ? row(k + 1) : nullptr;
+    bf16* o = out + k * N;
+    for (int64_t n0 = 0; n0 < N; n0 += 32) {
+      const int64_t nn = std::min<int64_t>(32, N - n0);
+      const __mmask32 in = nn == 32 ? ~__mmask32(0) : (__mmask32(1) << nn) - 1;
+      const __m512i x = _mm512_maskz_loadu_epi16(in, a + n0);
+      const __m512i y = b ? _mm512_maskz_loadu_epi16(in, b + n0) : _mm512_setzero_si512();
+      const int64_t first = std::min<int64_t>(32, 2 * nn), second = 2 * nn - first;
+      _mm512_mask_storeu_epi16(o + 2 * n0, first == 32 ? ~__mmask32(0) : (__mmask32(1) << first) - 1,
+                               _mm512_permutex2var_epi16(x, lo, y));
+      if (second > 0)
+        _mm512_mask_storeu_epi16(o + 2 * n0 + 32, second == 32 ? ~__mmask32(0) : (__mmask32(1) << second) - 1,
+                                 _mm512_permutex2var_epi16(x, hi, y));
+    }
+  }
+}
+
+// dst (n rows of ld >= K + K % 2, bfloat16) = src (n rows of K floats, ld_src apart), rounded to
+// nearest even, a zero column appended where K is odd. A float operand (probabilities, landmarks).
+inline void rows_to_bf16(const float* src, int64_t n, int64_t K, int64_t ld_src, bf16* dst, int64_t ld) {
+  for (int64_t i = 0; i < n; ++i) {
+    at::vec::convert(src + i * ld_src, dst + i * ld, K);
+    if (K % 2) dst[i * ld + K] = bf16(0.f);
+  }
+}
+
+// C (M x N, row stride ldc) = A B (+ C when `add`): A bfloat16 rows (lda apart), B as VNNI of K2
+// (even) rows by N columns.
+inline void gemm_bf16(int64_t M, int64_t N, int64_t K2, const bf16* A, int64_t lda, const bf16* B, bool add, float* C,
+                      int64_t ldc) {
+  if (M > 0 && N > 0) at::native::cpublas::brgemm(M, N, K2, lda, N, ldc, add, A, B, C, true);
+}
+
+// Releases what brgemm set up on this thread (AMX's tile configuration), as PyTorch's CPU flash
+// attention does after its loops.
+struct Bf16Products {
+  ~Bf16Products() { at::native::cpublas::brgemm_release(true); }
+};
+#else  // declared for the branches `if constexpr (kBf16Products)` discards
+constexpr bool kBf16Products = false;
+template <typename CF>
+void vnni_from_columns(int64_t K, int64_t N, const CF& col, bf16* out);
+template <typename RF>
+void vnni_from_rows(int64_t K, int64_t N, const RF& row, bf16* out);
+void rows_to_bf16(const float* src, int64_t n, int64_t K, int64_t ld_src, bf16* dst, int64_t ld);
+void gemm_bf16(int64_t M, int64_t N, int64_t K2, const bf16* A, int64_t lda, const bf16* B, bool add, float* C,
+               int64_t ldc);
+struct Bf16Products {};
+#endif
+
 // Up to this many multiply-adds (queries x keys x D) an expert's products skip BLAS: in the
 // forward up to 2^20 (2^17: 2-9% slower at N = 1,025-4,096; no limit: 1.5-1.8% slower at 16,384 and
 // 65,536), in the backward up to 2^17 (2^19: 9% slower at N = 4,096).
