@@ -19,7 +19,9 @@ multiplies bfloat16 in hardware (:func:`bf16_products`: AVX512-BF16 or AMX), the
 instead multiplies bfloat16 operands with float32 accumulation (``at::native::cpublas::brgemm`` on
 VNNI-packed operands) in four of its six products: the experts' scores and shared values, the gate's
 scores and the routed scores; the gate's shared output and the routed output stay float32 (their
-probabilities rounded to bfloat16 doubled the output's error). Verified by
+probabilities rounded to bfloat16 doubled the output's error). The backward of large heads does
+the same for its score products (q and k against the rounded landmarks, q and dout against an
+expert's keys and values); its gradient products stay float32. Verified by
 ``tests/test_mita_fused.py``: outputs and gradients within twice the error of the reference in
 the same dtype against float64 (odd sizes, masks, prefix and suffix tokens, GQA, cross-attention,
 both schedules), and no copy of a (B, H, N, D) tensor in the profile of a forward and backward.
@@ -75,7 +77,9 @@ def bf16_products() -> bool:
     """
     if os.environ.get("MITA_BF16_PRODUCTS", "1") == "0" or _isa() != "AVX512":
         return False
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    queries = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    reports = (getattr(torch.cpu, name, lambda: False)() for name in queries)
+    return any(reports)  # (private torch queries: a torch without them keeps the float32 path)
 
 
 def _cflags() -> list[str]:

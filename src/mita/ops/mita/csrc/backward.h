@@ -39,8 +39,17 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   // Heads whose q, k, v fit about L2 (the forward's head-by-head ones): converted once in half precision
   // (bfloat16 / float32 backward 1.07 at N = 197 on Zen 3 with the rows converted block by block).
   const bool small = (Nq + 2 * Nk) * D * int64_t(sizeof(T)) <= kSmallHead;
+  // bfloat16 products (as the forward's, products.h) for the score products of a large head whose
+  // operands are bfloat16 rows read in place and the landmarks the forward rounded: Q L^T, K L^T,
+  // Q_e K_e^T, dO V_e^T; every gradient product stays float32.
+  constexpr bool bf = kBf16Products && std::is_same_v<In, bf16>;
+  const bool use_bf = bf && !small && D % 2 == 0;
   at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
     const SingleThreadedBlas blas;
+    [[maybe_unused]] const std::conditional_t<bf, Bf16Products, bool> release{};
+    // bfloat16 products: the landmarks as rows and as VNNI L^T, gathered query and dout rows, K_e^T and V_e^T.
+    std::vector<bf16> Lb(use_bf ? m * D : 0), Lp(Lb.size()), Qh(use_bf ? kQueryBlock * D : 0), dOh(Qh.size()),
+        Kp(use_bf ? topk * D : 0), Vp(Kp.size());
     const int64_t nbuf = std::max({padded_ld<T>(kQueryBlock), kKeyBlock, topk});
     std::vector<T> delta(Nq), dvs(m * D), rowdot(padded_ld<T>(m)), la(rowdot.size()), P(nbuf * std::max(padded_ld<T>(m), topk)), dP(nbuf * std::max(padded_ld<T>(m), topk));
     std::vector<T> Qb(padded_ld<T>(kQueryBlock) * D), dOb(padded_ld<T>(kQueryBlock) * D), dQb(kQueryBlock * D), Ke(topk * D), Ve(topk * D),
@@ -99,13 +108,25 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             }
           }
         };
+        if constexpr (conv && bf)
+          if (use_bf) {
+            rows_to_bf16(Lx, m, D, D, Lb.data(), D);
+            vnni_from_columns(D, m, [&](int64_t i) { return static_cast<const bf16*>(Lb.data() + i * D); }, Lp.data());
+          }
+        // S = A L^T (n x m, row stride ldm) for n rows of A (lda apart; rows in place, and A0 the same
+        // rows as T): bfloat16 products or float32.
+        const auto landmark_scores = [&](const auto* A, int64_t lda, const T* A0, int64_t lda0, int64_t n, T* S) {
+          if constexpr (conv && bf)
+            if (use_bf) return gemm_bf16(n, m, D, A, lda, Lp.data(), false, S, ldm);
+          gemm<T>(false, true, n, m, D, A0, lda0, Lx, D, false, S, ldm);
+        };
         for (int64_t t0 = 0; t0 < Nq; t0 += kQueryBlock) {
           const int64_t nq = std::min(kQueryBlock, Nq - t0);
           T *Pq = P.data(), *dPq = dP.data();
           int64_t lq = qs, ldo = dos;
           const T* Qt0 = rows_as(Qx + t0 * qs, nq, D, lq, Qb.data());
           const T* dOt0 = rows_as(dOx + t0 * dos, nq, D, ldo, dOb.data());
-          gemm<T>(false, true, nq, m, D, Qt0, lq, Lx, D, false, Pq, ldm);
+          landmark_scores(Qx + t0 * qs, qs, Qt0, lq, nq, Pq);
           gemm<T>(false, true, nq, m, D, dOt0, ldo, VSx, D, false, dPq, ldm);
           logit_grads(
               Pq, dPq, nq, vls, [&](int64_t i) { return !qm || qm[t0 + i]; },
@@ -127,7 +148,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           const T* Kt0 = rows_as(Kx + j0 * ks, nb, D, lk, Kb.data());
           const T* Vt0 = rows_as(Vx + j0 * vs, nb, D, lv, Vb.data());
           T *Pk = P.data(), *dPk = dP.data();
-          gemm<T>(false, true, nb, m, D, Kt0, lk, Lx, D, false, Pk, ldm);
+          landmark_scores(Kx + j0 * ks, ks, Kt0, lk, nb, Pk);
           gemm<T>(false, true, nb, m, D, Vt0, lv, dvs.data(), D, false, dPk, ldm);
           logit_grads(
               Pk, dPk, nb, vs0, [&](int64_t j) { return !km || km[j0 + j]; },
@@ -214,6 +235,11 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           }
           std::fill(dKe.begin(), dKe.end(), T(0));
           std::fill(dVe.begin(), dVe.end(), T(0));
+          if constexpr (conv && bf)
+            if (use_bf) {
+              vnni_from_columns(D, kk, [&](int64_t j) { return Kx + keys[j] * ks; }, Kp.data());
+              vnni_from_columns(D, kk, [&](int64_t j) { return Vx + keys[j] * vs; }, Vp.data());
+            }
           for (int64_t i0 = 0; i0 < n_e; i0 += kQueryBlock) {
             const int64_t nb = std::min(kQueryBlock, n_e - i0);
             for (int64_t i = 0; i < nb; ++i) {
@@ -221,8 +247,21 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
               to_compute(Qx + t * qs, Qb.data() + i * D, D);
               to_compute(dOx + t * dos, dOb.data() + i * D, D);
             }
-            gemm<T>(false, true, nb, kk, D, Qb.data(), D, Ke.data(), D, false, P.data(), kk);
-            gemm<T>(false, true, nb, kk, D, dOb.data(), D, Ve.data(), D, false, dP.data(), kk);
+            bool done = false;  // (by bfloat16 products)
+            if constexpr (conv && bf)
+              if ((done = use_bf)) {
+                for (int64_t i = 0; i < nb; ++i) {
+                  const int64_t t = mem[i0 + i] / s;
+                  std::copy(Qx + t * qs, Qx + t * qs + D, Qh.data() + i * D);
+                  std::copy(dOx + t * dos, dOx + t * dos + D, dOh.data() + i * D);
+                }
+                gemm_bf16(nb, kk, D, Qh.data(), D, Kp.data(), false, P.data(), kk);
+                gemm_bf16(nb, kk, D, dOh.data(), D, Vp.data(), false, dP.data(), kk);
+              }
+            if (!done) {
+              gemm<T>(false, true, nb, kk, D, Qb.data(), D, Ke.data(), D, false, P.data(), kk);
+              gemm<T>(false, true, nb, kk, D, dOb.data(), D, Ve.data(), D, false, dP.data(), kk);
+            }
             for (int64_t i = 0; i < nb; ++i) {
               T *p = P.data() + i * kk, *dp = dP.data() + i * kk;
               const int64_t t = mem[i0 + i] / s;
