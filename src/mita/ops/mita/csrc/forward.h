@@ -234,29 +234,36 @@ struct Forward {
     const In* Vx = vx(x);
     T *Ke = sc.Ke.data(), *Ve = sc.Ve.data(), *Qb = sc.Qb.data(), *Sb = sc.Sb.data(), *Ob = sc.Ob.data();
     const int64_t* mem = members + x * Nq * s + st[e];
+    // bfloat16 products (the scores S = Q_e K_e^T from the bfloat16 rows as they are, its keys packed
+    // once as K_e^T) for every expert of a large head; a small head's small experts keep the float32
+    // register tiles (forward 0.875 against 0.910 of float32 at N = 1,025, Zen 4). out = P V_e stays
+    // float32: with P rounded to bfloat16 the output's error against float64 was 1.8x the bfloat16
+    // reference's (N = 2,100, k = 40), against 1.0x so.
     const bool small = n_e <= kQueryBlock && n_e * kk * D <= kSmallForward;
-    // bfloat16 products for every expert of a large head; a small head's small experts keep the
-    // float32 register tiles (forward 0.875 against 0.910 of float32 at N = 1,025, Zen 4)
-    if constexpr (kBf16)
-      if (bf16_path() && !(by_head && small)) {
-        routed_bf16(x, mem, n_e, kk, keys, sc);
-        return;
-      }
-    if (small) {  // a small expert: in registers, no gathers
+    const bool bf = bf16_path() && !(by_head && small);
+    if (small && !bf) {  // a small expert: in registers, no gathers
       small_expert(x, mem, n_e, kk, keys, sc);
       merge_block(x, mem, n_e, sc);
       return;
     }
     for (int64_t i = 0; i < kk; ++i) {
-      to_compute(Kx + keys[i] * kr.st, Ke + i * D, D);
+      if (!bf) to_compute(Kx + keys[i] * kr.st, Ke + i * D, D);
       to_compute(Vx + keys[i] * vr.st, Ve + i * D, D);
     }
+    if constexpr (kBf16)
+      if (bf) vnni_from_columns(D, kk, [&](int64_t j) { return Kx + keys[j] * kr.st; }, sc.Hb.data());
     for (int64_t i0 = 0; i0 < n_e; i0 += kQueryBlock) {
       const int64_t nb = std::min(kQueryBlock, n_e - i0);
-      for (int64_t i = 0; i < nb; ++i) {
-        to_compute(qx(x) + (mem[i0 + i] / s) * qr.st, Qb + i * D, D);
+      const auto q = [&](int64_t i) { return qx(x) + (mem[i0 + i] / s) * qr.st; };
+      if constexpr (kBf16)
+        if (bf) {
+          for (int64_t i = 0; i < nb; ++i) std::copy(q(i), q(i) + D, sc.Ha.data() + i * D);
+          gemm_bf16(nb, kk, D, sc.Ha.data(), D, sc.Hb.data(), false, Sb, kk);
+        }
+      if (!bf) {
+        for (int64_t i = 0; i < nb; ++i) to_compute(q(i), Qb + i * D, D);
+        gemm<T>(false, true, nb, kk, D, Qb, D, Ke, D, false, Sb, kk);
       }
-      gemm<T>(false, true, nb, kk, D, Qb, D, Ke, D, false, Sb, kk);
       for (int64_t i = 0; i < nb; ++i) {
         T* row = Sb + i * kk;
         const auto [sm, rm] = exp_row(row, kk, scale);
@@ -267,39 +274,6 @@ struct Forward {
       log_add(sc.w.data(), sc.a.data(), sc.lse.data(), nb);
       gemm<T>(false, false, nb, D, kk, Sb, kk, Ve, D, false, Ob, D);
       merge_block(x, mem + i0, nb, sc);
-    }
-  }
-
-  // C with bfloat16 products, for every expert: S = Q_e K_e^T from bfloat16 rows as they are (its
-  // keys packed once as K_e^T, its queries gathered a block at a time), out = P V_e in float32: with
-  // P rounded to bfloat16 the output's error against float64 was 1.8x the bfloat16 reference's (N =
-  // 2,100, k = 40), against 1.0x so.
-  void routed_bf16(int64_t x, const int64_t* mem, int64_t n_e, int64_t kk, const int64_t* keys, Scratch& sc) const {
-    if constexpr (kBf16) {
-      const In* Kx = kx(x);
-      const In* Vx = vx(x);
-      bf16 *A = sc.Ha.data(), *Kp = sc.Hb.data();
-      T *Sb = sc.Sb.data(), *Ob = sc.Ob.data(), *Ve = sc.Ve.data();
-      vnni_from_columns(D, kk, [&](int64_t j) { return Kx + keys[j] * kr.st; }, Kp);
-      for (int64_t j = 0; j < kk; ++j) to_compute(Vx + keys[j] * vr.st, Ve + j * D, D);
-      for (int64_t i0 = 0; i0 < n_e; i0 += kQueryBlock) {
-        const int64_t nb = std::min(kQueryBlock, n_e - i0);
-        for (int64_t i = 0; i < nb; ++i) {
-          const In* q = qx(x) + (mem[i0 + i] / s) * qr.st;
-          std::copy(q, q + D, A + i * D);
-        }
-        gemm_bf16(nb, kk, D, A, D, Kp, false, Sb, kk);
-        for (int64_t i = 0; i < nb; ++i) {
-          T* row = Sb + i * kk;
-          const auto [sm, rm] = exp_row(row, kk, scale);
-          scale_row(row, kk, T(1) / sm);
-          sc.w[i] = sm;
-          sc.a[i] = rm;
-        }
-        log_add(sc.w.data(), sc.a.data(), sc.lse.data(), nb);
-        gemm<T>(false, false, nb, D, kk, Sb, kk, Ve, D, false, Ob, D);
-        merge_block(x, mem + i0, nb, sc);
-      }
     }
   }
 
