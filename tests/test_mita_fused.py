@@ -427,6 +427,7 @@ def test_half_precision_within_twice_the_reference_error(case: Case, extra: dict
 def test_bf16_products_are_decided_by_the_cpu(monkeypatch) -> None:
     """bfloat16 products only in AVX-512 builds on CPUs with bfloat16 hardware; MITA_BF16_PRODUCTS=0
     turns them off; the choice is a define of the build, so part of the cache key."""
+    monkeypatch.delenv("MITA_BF16_PRODUCTS", raising=False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     monkeypatch.setattr(fused, "_isa", lambda: "AVX512")
