@@ -425,20 +425,30 @@ def test_half_precision_within_twice_the_reference_error(case: Case, extra: dict
 
 
 def test_bf16_products_are_decided_by_the_cpu(monkeypatch) -> None:
-    """bfloat16 products only in AVX-512 builds on CPUs with bfloat16 hardware; MITA_BF16_PRODUCTS=0
-    turns them off; the choice is a define of the build, so part of the cache key."""
+    """bfloat16 products only in AVX-512 builds on CPUs with AVX512-BF16 and no AMX (not verified
+    there); MITA_BF16_PRODUCTS=0 / 1 forces them off / on; the choice is a define of the build, so
+    part of the cache key; a bad value names the variable."""
     monkeypatch.delenv("MITA_BF16_PRODUCTS", raising=False)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    cpu = {"_is_avx512_bf16_supported": True, "_is_amx_tile_supported": False}
+    for name in cpu:
+        monkeypatch.setattr(torch.cpu, name, lambda name=name: cpu[name])
     monkeypatch.setattr(fused, "_isa", lambda: "AVX512")
     assert fused.bf16_products() and "-DMITA_BF16_PRODUCTS" in fused._cflags()
     monkeypatch.setenv("MITA_BF16_PRODUCTS", "0")
     assert not fused.bf16_products() and "-DMITA_BF16_PRODUCTS" not in fused._cflags()
+    monkeypatch.setenv("MITA_BF16_PRODUCTS", "yes")
+    with pytest.raises(ValueError, match="MITA_BF16_PRODUCTS='yes'"):
+        fused.bf16_products()
     monkeypatch.delenv("MITA_BF16_PRODUCTS")
+    cpu["_is_amx_tile_supported"] = True
+    assert not fused.bf16_products()
+    monkeypatch.setenv("MITA_BF16_PRODUCTS", "1")
+    assert fused.bf16_products()
     monkeypatch.setattr(fused, "_isa", lambda: "AVX2")
     assert not fused.bf16_products()
+    monkeypatch.delenv("MITA_BF16_PRODUCTS")
     monkeypatch.setattr(fused, "_isa", lambda: "AVX512")
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    cpu.update(_is_avx512_bf16_supported=False, _is_amx_tile_supported=False)
     assert not fused.bf16_products()
 
 

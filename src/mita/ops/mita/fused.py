@@ -15,7 +15,7 @@ kernels as they are, without whole-tensor copies. The kernels convert each block
 float32 scratch (a key block, a query block, an expert's gathered rows; small experts convert as
 they load), compute every product, softmax and merge in float32, and round the output (and dq,
 dk, dv) into the input dtype; the landmarks, v~ and log-sum-exps stay float32. Where the CPU
-multiplies bfloat16 in hardware (:func:`bf16_products`: AVX512-BF16 or AMX), the bfloat16 forward
+multiplies bfloat16 in hardware (:func:`bf16_products`: AVX512-BF16; AMX not yet), the bfloat16 forward
 instead multiplies bfloat16 operands with float32 accumulation (``at::native::cpublas::brgemm`` on
 VNNI-packed operands) in four of its six products: the experts' scores and shared values, the gate's
 scores and the routed scores; the gate's shared output and the routed output stay float32 (their
@@ -26,9 +26,9 @@ expert's keys and values); its gradient products stay float32. Verified by
 the same dtype against float64 (odd sizes, masks, prefix and suffix tokens, GQA, cross-attention,
 both schedules), and no copy of a (B, H, N, D) tensor in the profile of a forward and backward.
 Speed: docs/performance.md, "Half precision" (float32 scratch on AMD Zen 3; bfloat16 products on
-AMD Zen 4 with AVX512-BF16). The bfloat16 products were run on AVX512-BF16 only: AMX takes the same
-brgemm calls (oneDNN picks the tiles), not run on an AMX machine. float16 products (brgemm needs
-AVX512-FP16 there) are not implemented.
+AMD Zen 4 with AVX512-BF16). The bfloat16 products were run on AVX512-BF16 only; AMX CPUs keep
+the float32 path unless ``MITA_BF16_PRODUCTS=1`` (see :func:`bf16_products`). float16 products
+(brgemm needs AVX512-FP16 there) are not implemented.
 """
 
 from __future__ import annotations
@@ -70,16 +70,25 @@ def _isa() -> str:
 def bf16_products() -> bool:
     """Whether bfloat16 calls multiply bfloat16 operands (float32 accumulation) instead of float32.
 
-    Decided once per machine from what torch reports: an AVX-512 build on a CPU that multiplies
-    bfloat16 in hardware (AVX512-BF16 or AMX tiles), where oneDNN's brgemm runs bfloat16 products at
-    about twice float32's rate (Zen 4) or more (AMX). Elsewhere brgemm would emulate them, slower
-    than the float32 path, which every other CPU keeps. ``MITA_BF16_PRODUCTS=0`` turns it off.
+    Decided once per machine from what torch reports: an AVX-512 build on a CPU with AVX512-BF16
+    and no AMX, where oneDNN's brgemm runs bfloat16 products at about twice float32's rate (Zen 4).
+    Elsewhere brgemm would emulate them, slower than the float32 path. AMX CPUs keep the float32
+    path until the products are verified there: oneDNN documents AMX's packed B in blocks of 16-64
+    columns, and the kernel packs whole rows (verified on AVX512-BF16 only).
+    ``MITA_BF16_PRODUCTS=0`` turns them off, ``=1`` on for any AVX-512 build (to test an AMX CPU).
     """
-    if os.environ.get("MITA_BF16_PRODUCTS", "1") == "0" or _isa() != "AVX512":
+    choice = os.environ.get("MITA_BF16_PRODUCTS", "")
+    if choice not in ("", "0", "1"):
+        raise ValueError(f"MITA_BF16_PRODUCTS={choice!r}: use 0 (off), 1 (on) or leave it unset (by the CPU)")
+    if choice == "0" or _isa() != "AVX512":
         return False
-    queries = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    reports = (getattr(torch.cpu, name, lambda: False)() for name in queries)
-    return any(reports)  # (private torch queries: a torch without them keeps the float32 path)
+    if choice == "1":
+        return True
+
+    def reports(name: str) -> bool:  # (private torch queries: a torch without them keeps float32)
+        return getattr(torch.cpu, name, lambda: False)()
+
+    return reports("_is_avx512_bf16_supported") and not reports("_is_amx_tile_supported")
 
 
 def _cflags() -> list[str]:

@@ -271,9 +271,10 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, int64_t
 }
 
 // bfloat16 products (issue 29). Where the CPU multiplies bfloat16 in hardware (AVX512-BF16's
-// vdpbf16ps, AMX tiles), fused.py defines MITA_BF16_PRODUCTS and the forward of bfloat16 inputs
-// computes four of its six products (forward.h says which) from bfloat16 operands with float32
-// accumulation through ATen's brgemm (oneDNN's JIT micro-kernels) instead of converting its blocks
+// vdpbf16ps; AMX only when asked: fused.bf16_products), fused.py defines MITA_BF16_PRODUCTS and the
+// forward of bfloat16 inputs
+// computes four of its six products (forward.h says which), and the backward of a large head its
+// score products (backward.h), from bfloat16 operands with float32 accumulation through ATen's brgemm (oneDNN's JIT micro-kernels) instead of converting its blocks
 // to float32: on a Zen 4 core, single products of the kernel's shapes (M, N = 25-256, K = 64-256)
 // ran 1.8-2.0x faster than float32 brgemm. brgemm
 // takes B in the VNNI layout: rows 2p and 2p + 1 interleaved element by element, (K / 2) x N x 2,
