@@ -231,7 +231,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           }
           for (int64_t i = 0; i < kk; ++i) {
             to_compute(Kx + keys[i] * ks, Ke.data() + i * D, D);
-            to_compute(Vx + keys[i] * vs, Ve.data() + i * D, D);
+            if (!(conv && use_bf)) to_compute(Vx + keys[i] * vs, Ve.data() + i * D, D);  // (only dP = dO V_e^T reads it)
           }
           std::fill(dKe.begin(), dKe.end(), T(0));
           std::fill(dVe.begin(), dVe.end(), T(0));
