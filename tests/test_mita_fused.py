@@ -452,6 +452,23 @@ def test_bf16_products_are_decided_by_the_cpu(monkeypatch) -> None:
     assert not fused.bf16_products()
 
 
+def test_bf16_with_onednn_disabled_takes_the_float32_path() -> None:
+    """brgemm refuses bfloat16 VNNI operands while oneDNN is disabled: a bfloat16 call (a large
+    head: both passes) then runs the float32-scratch path instead of failing, to the same result
+    within bfloat16's rounding."""
+    q, k, v = (t.bfloat16() for t in Case(B=1, H=2, N=2100, D=64, m=24, k=40).inputs(torch.float32)[:3])
+    landmarks = q[:, :, :2100:88][:, :, :24]  # given (bfloat16 already): both paths score them alike
+    results = []
+    for enabled in (True, False):
+        with torch.backends.mkldnn.flags(enabled=enabled):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = mita_attention(*leaves, num_landmarks=24, topk=40, landmarks=landmarks, impl="fused")
+            out.sum().backward()
+            results.append([out.float(), *(t.grad.float() for t in leaves)])
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, atol=0.05, rtol=0.05)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_half_precision_makes_no_float32_copies_of_the_inputs(dtype: torch.dtype) -> None:
     """No whole-tensor conversion around the kernels: forward and backward make no copy of q, k, v,

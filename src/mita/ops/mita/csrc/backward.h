@@ -43,7 +43,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   // operands are bfloat16 rows read in place and the landmarks the forward rounded: Q L^T, K L^T,
   // Q_e K_e^T, dO V_e^T; every gradient product stays float32.
   constexpr bool bf = kBf16Products && std::is_same_v<In, bf16>;
-  const bool use_bf = bf && !small && D % 2 == 0;
+  const bool use_bf = bf && !small && D % 2 == 0 && products_allowed();
   at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
     const SingleThreadedBlas blas;
     [[maybe_unused]] const std::conditional_t<bf, Bf16Products, bool> release{};

@@ -28,9 +28,9 @@ template <typename T, typename In>
 struct Forward {
   static constexpr bool kHalf = !std::is_same_v<T, In>;
   // bfloat16 inputs multiplied as bfloat16 (kBf16Products, products.h); bf16_path() says whether this
-  // call does (D even: the query rows are an operand read in place).
+  // call does (D even: the query rows are an operand read in place; oneDNN on: products_allowed).
   static constexpr bool kBf16 = kBf16Products && std::is_same_v<In, bf16>;
-  bool bf16_path() const { return kBf16 && D % 2 == 0; }
+  bool bf16_path() const { return kBf16 && D % 2 == 0 && products_allowed(); }
   using Key = typename TopK<T>::S;
   int64_t H, Nq, D, Hkv, Nk, m, G, topk, s;
   T scale, lscale;

@@ -354,6 +354,11 @@ inline void gemm_bf16(int64_t M, int64_t N, int64_t K2, const bf16* A, int64_t l
   if (M > 0 && N > 0) at::native::cpublas::brgemm(M, N, K2, lda, N, ldc, add, A, B, C, true);
 }
 
+// Whether brgemm takes bfloat16 VNNI operands now: torch routes them to oneDNN only while oneDNN is
+// enabled (`torch.backends.mkldnn.flags(enabled=False)` turns it off, and brgemm would then refuse
+// them), so the kernels check per call and otherwise take their float32 path.
+inline bool products_allowed() { return at::globalContext().userEnabledMkldnn(); }
+
 // Releases what brgemm set up on this thread (AMX's tile configuration), as PyTorch's CPU flash
 // attention does after its loops.
 struct Bf16Products {
@@ -368,6 +373,7 @@ void vnni_from_rows(int64_t K, int64_t N, const RF& row, bf16* out);
 void rows_to_bf16(const float* src, int64_t n, int64_t K, int64_t ld_src, bf16* dst, int64_t ld);
 void gemm_bf16(int64_t M, int64_t N, int64_t K2, const bf16* A, int64_t lda, const bf16* B, bool add, float* C,
                int64_t ldc);
+inline bool products_allowed() { return false; }
 struct Bf16Products {};
 #endif
 
