@@ -76,6 +76,8 @@ def bf16_products() -> bool:
     path until the products are verified there: oneDNN documents AMX's packed B in blocks of 16-64
     columns, and the kernel packs whole rows (verified on AVX512-BF16 only).
     ``MITA_BF16_PRODUCTS=0`` turns them off, ``=1`` on for any AVX-512 build (to test an AMX CPU).
+    While oneDNN is disabled (``torch.backends.mkldnn.flags(enabled=False)``) the kernels take the
+    float32 path per call: torch's brgemm then refuses bfloat16 operands.
     """
     choice = os.environ.get("MITA_BF16_PRODUCTS", "")
     if choice not in ("", "0", "1"):
