@@ -452,6 +452,7 @@ def test_bf16_products_are_decided_by_the_cpu(monkeypatch) -> None:
     assert not fused.bf16_products()
 
 
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's, from mkldnn.flags
 def test_bf16_with_onednn_disabled_takes_the_float32_path() -> None:
     """brgemm refuses bfloat16 VNNI operands while oneDNN is disabled: a bfloat16 call (a large
     head: both passes) then runs the float32-scratch path instead of failing, to the same result
