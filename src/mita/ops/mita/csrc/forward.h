@@ -28,9 +28,9 @@ template <typename T, typename In>
 struct Forward {
   static constexpr bool kHalf = !std::is_same_v<T, In>;
   // bfloat16 inputs multiplied as bfloat16 (kBf16Products, products.h); bf16_path() says whether this
-  // call does (D even: the query rows are an operand read in place; oneDNN on: products_allowed).
+  // call does (`products`, set once per call by forward_impl).
   static constexpr bool kBf16 = kBf16Products && std::is_same_v<In, bf16>;
-  bool bf16_path() const { return kBf16 && D % 2 == 0 && products_allowed(); }
+  bool bf16_path() const { return kBf16 && products; }
   using Key = typename TopK<T>::S;
   int64_t H, Nq, D, Hkv, Nk, m, G, topk, s;
   T scale, lscale;
@@ -44,6 +44,7 @@ struct Forward {
   int64_t *E, *R, *start, *members;
   std::vector<int64_t> n_real;
   bool by_head = false;  // run head by head (small heads), its rows in cache
+  bool products = false;  // bfloat16 products: kBf16, D even (query rows read in place), oneDNN on
 
   // One thread's buffers, sized for phase A on up to `rows` landmark rows (Kb, Vb: a block of
   // keys and values converted from half precision, else empty).
@@ -477,6 +478,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    s > 1 ? routed_lse.data_ptr<T>() : nullptr, out.data_ptr<In>(), experts.data_ptr<int64_t>(),
                    routes.data_ptr<int64_t>(), count_t.data_ptr<int64_t>(), members_t.data_ptr<int64_t>(),
                    std::vector<int64_t>(B, Nk)};
+  f.products = Forward<T, In>::kBf16 && D % 2 == 0 && products_allowed();
   if (key_mask)
     for (int64_t b = 0; b < B; ++b) f.n_real[b] = std::count(key_mask + b * Nk, key_mask + (b + 1) * Nk, true);
 

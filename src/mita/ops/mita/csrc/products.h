@@ -271,15 +271,15 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, int64_t
 }
 
 // bfloat16 products (issue 29). Where the CPU multiplies bfloat16 in hardware (AVX512-BF16's
-// vdpbf16ps; AMX only when asked: fused.bf16_products), fused.py defines MITA_BF16_PRODUCTS and the
-// forward of bfloat16 inputs
-// computes four of its six products (forward.h says which), and the backward of a large head its
-// score products (backward.h), from bfloat16 operands with float32 accumulation through ATen's brgemm (oneDNN's JIT micro-kernels) instead of converting its blocks
+// vdpbf16ps; AMX only when asked: fused.bf16_products), fused.py defines MITA_BF16_PRODUCTS and
+// the forward of bfloat16 inputs computes four of its six products (forward.h says which), and the
+// backward of a large head its score products (backward.h), from bfloat16 operands with float32
+// accumulation through ATen's brgemm (oneDNN's JIT micro-kernels) instead of converting its blocks
 // to float32: on a Zen 4 core, single products of the kernel's shapes (M, N = 25-256, K = 64-256)
-// ran 1.8-2.0x faster than float32 brgemm. brgemm
-// takes B in the VNNI layout: rows 2p and 2p + 1 interleaved element by element, (K / 2) x N x 2,
-// which the two packers below write. K must be even: an odd K is padded with a zero row of B and
-// a zero column of A (the A operands copied here are; one read in place needs an even D).
+// ran 1.8-2.0x faster than float32 brgemm. brgemm takes B in the VNNI layout: rows 2p and 2p + 1
+// interleaved element by element, (K / 2) x N x 2, which the two packers below write. K must be
+// even: an odd K is padded with a zero row of B and a zero column of A (the A operands copied here
+// are; one read in place needs an even D).
 using bf16 = c10::BFloat16;
 #if defined(MITA_BF16_PRODUCTS) && defined(CPU_CAPABILITY_AVX512)
 constexpr bool kBf16Products = true;
@@ -356,7 +356,7 @@ inline void gemm_bf16(int64_t M, int64_t N, int64_t K2, const bf16* A, int64_t l
 
 // Whether brgemm takes bfloat16 VNNI operands now: torch routes them to oneDNN only while oneDNN is
 // enabled (`torch.backends.mkldnn.flags(enabled=False)` turns it off, and brgemm would then refuse
-// them), so the kernels check per call and otherwise take their float32 path.
+// them), so each call of the kernels asks once and otherwise takes their float32 path.
 inline bool products_allowed() { return at::globalContext().userEnabledMkldnn(); }
 
 // Releases what brgemm set up on this thread (AMX's tile configuration), as PyTorch's CPU flash
