@@ -183,10 +183,11 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           };
           // A small expert as in the forward: P^T and dP^T with its queries as lanes, every product in
           // register tiles reading rows in place (8-10% off the backward at N = 197, 2-3% at 1,025;
-          // the same with BLAS-shaped buffers, tried first, measured no gain).
-          if (n_e <= kQueryBlock && n_e * kk * D <= kSmallBackward) {
-            using V = Vectorized<T>;
-            const int64_t ld = padded_ld<T>(n_e);
+          // the same with BLAS-shaped buffers, tried first, measured no gain). The queries are the
+          // lanes of vectors V: Lanes8 for up to 8 of them (float rows, an AVX-512 build; products.h).
+          const auto small_expert = [&](auto lanes) {
+            using V = decltype(lanes);
+            const int64_t ld = std::is_same_v<V, Vectorized<T>> ? padded_ld<T>(n_e) : V::size();
             T *Qt = Qb.data(), *dOt = dOb.data(), *Pt = P.data(), *dPt = dP.data();
             const auto qrow = [&](int64_t i) { return Qx + (mem[i] / s) * qs; };
             const auto dorow = [&](int64_t i) { return dOx + (mem[i] / s) * dos; };
@@ -203,10 +204,10 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
               if constexpr (conv) return static_cast<const T*>(Ve.data() + j * D);
               else return Vx + keys[j] * vs;
             };
-            rows_as_columns<T>(n_e, D, ld, T(1), qrow, Qt);
-            rows_as_columns<T>(n_e, D, ld, T(1), dorow, dOt);
-            small_gemm<T>(kk, ld, D, krow, 1, [&](int64_t d) { return Qt + d * ld; }, Pt, ld);
-            small_gemm<T>(kk, ld, D, vrow, 1, [&](int64_t d) { return dOt + d * ld; }, dPt, ld);
+            rows_as_columns<T, V>(n_e, D, ld, T(1), qrow, Qt);
+            rows_as_columns<T, V>(n_e, D, ld, T(1), dorow, dOt);
+            small_gemm<T, V>(kk, ld, D, krow, 1, [&](int64_t d) { return Qt + d * ld; }, Pt, ld);
+            small_gemm<T, V>(kk, ld, D, vrow, 1, [&](int64_t d) { return dOt + d * ld; }, dPt, ld);
             T lse_l[V::size()], dl_l[V::size()];
             const V vs0(scale);
             for (int64_t i0 = 0; i0 < ld; i0 += V::size()) {  // the queries are the lanes
@@ -227,6 +228,16 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             small_gemm<T>(kk, D, n_e, [&](int64_t j) { return dPt + j * ld; }, 1, qrow, dKe.data(), D);
             small_gemm<T>(kk, D, n_e, [&](int64_t j) { return Pt + j * ld; }, 1, dorow, dVe.data(), D);
             add_dkv();
+          };
+          if (n_e <= kQueryBlock && n_e * kk * D <= kSmallBackward) {
+#if defined(CPU_CAPABILITY_AVX512)
+            if constexpr (!conv && std::is_same_v<T, float>)
+              if (n_e <= Lanes8::size()) {
+                small_expert(Lanes8{});
+                continue;
+              }
+#endif
+            small_expert(Vectorized<T>{});
             continue;
           }
           for (int64_t i = 0; i < kk; ++i) {

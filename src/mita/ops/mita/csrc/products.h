@@ -7,15 +7,65 @@
 
 namespace {
 
+#if defined(CPU_CAPABILITY_AVX512)
+// Eight float lanes (a 256-bit register) where an AVX-512 build's vectors have 16: a small expert of
+// at most 8 queries, its queries as the lanes of its scores, pads them to 8 instead of 16 and so pays
+// half the multiply-adds and exponentials of its score product and softmax (N = 197: 61% of the
+// experts, 7.9 queries on average). Never more instructions than 16 lanes; on a core that splits a
+// 512-bit operation in two halves (AMD Zen 4) half the cycles.
+struct Lanes8 {
+  __m256 v;
+  Lanes8() = default;
+  Lanes8(__m256 x) : v(x) {}
+  Lanes8(float x) : v(_mm256_set1_ps(x)) {}
+  static constexpr int64_t size() { return 8; }
+  static __mmask8 first(int64_t n) { return n >= 8 ? __mmask8(0xff) : __mmask8((1 << n) - 1); }
+  static Lanes8 loadu(const float* p) { return _mm256_loadu_ps(p); }
+  static Lanes8 loadu(const float* p, int64_t n) { return _mm256_maskz_loadu_ps(first(n), p); }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+  void store(float* p, int64_t n) const { _mm256_mask_storeu_ps(p, first(n), v); }
+  Lanes8 operator+(Lanes8 o) const { return _mm256_add_ps(v, o.v); }
+  Lanes8 operator-(Lanes8 o) const { return _mm256_sub_ps(v, o.v); }
+  Lanes8 operator*(Lanes8 o) const { return _mm256_mul_ps(v, o.v); }
+  Lanes8 operator/(Lanes8 o) const { return _mm256_div_ps(v, o.v); }
+  // exp and log by ATen's 16-lane functions on the zero-extended vector: the same values as 16 lanes.
+  Lanes8 exp_u20() const { return _mm512_castps512_ps256(Vectorized<float>(_mm512_zextps256_ps512(v)).exp_u20()); }
+  Lanes8 log() const { return _mm512_castps512_ps256(Vectorized<float>(_mm512_zextps256_ps512(v)).log()); }
+};
+inline Lanes8 vexp(Lanes8 x) { return x.exp_u20(); }
+inline Lanes8 madd(Lanes8 a, Lanes8 b, Lanes8 c) { return _mm256_fmadd_ps(a.v, b.v, c.v); }
+inline Lanes8 lanes_max(Lanes8 a, Lanes8 b) {  // NaN propagates, as at::vec::maximum
+  return _mm256_or_ps(_mm256_max_ps(a.v, b.v), _mm256_cmp_ps(a.v, b.v, _CMP_UNORD_Q));
+}
+inline Lanes8 prob(Lanes8 x, Lanes8 a, Lanes8 lse) {  // as vec.h's prob, NaN propagating as at::vec::minimum
+  const Lanes8 d = x * a - lse;
+  return vexp(_mm256_or_ps(_mm256_min_ps(d.v, _mm256_setzero_ps()), _mm256_cmp_ps(d.v, d.v, _CMP_UNORD_Q)));
+}
+#endif
+template <typename T>
+inline Vectorized<T> madd(const Vectorized<T>& a, const Vectorized<T>& b, const Vectorized<T>& c) {
+  return at::vec::fmadd(a, b, c);
+}
+template <typename T>
+inline Vectorized<T> lanes_max(const Vectorized<T>& a, const Vectorized<T>& b) {
+  return at::vec::maximum(a, b);
+}
+// n <= V::size() elements of p as a vector V of T (Vectorized<T>: any input type; Lanes8: floats).
+template <typename T, typename V, typename In>
+inline V load_lanes(const In* p, int64_t n) {
+  if constexpr (std::is_same_v<V, Vectorized<T>>) return load_as<T>(p, n);
+  else return V::loadu(p, n);
+}
+
 // Products too small for a BLAS call to pay for itself (an expert of a few queries at vision
 // sizes): C (M x N) = sum_l A(i, l) * row_l(B) (+ C when `add`), where A(i, l) = a(i)[l * as]
 // and b(l) points to row l of B, so that either operand is read in place, transposed or
 // gathered by index, without copies, in T or (the kernels' half-precision inputs) converted to T
-// as it is loaded. Register tiles of R rows by NV vectors, A broadcast.
-template <typename T, int R, int NV, bool Full, typename AF, typename BF>
+// as it is loaded. Register tiles of R rows by NV vectors V (Vectorized<T>, or Lanes8),
+// A broadcast.
+template <typename T, typename V, int R, int NV, bool Full, typename AF, typename BF>
 void small_tile(int64_t i0, int64_t j0, int64_t K, int64_t last, const AF& a, int64_t as, const BF& b, T* C,
                 int64_t ldc, bool add) {
-  using V = Vectorized<T>;
   // U partial sums over l per output vector, so that a narrow tile (a leftover row) has enough
   // independent multiply-add chains in flight: with one chain each step waits the FMA's latency.
   constexpr int U = Full ? std::max(1, 8 / (R * NV)) : 1;
@@ -31,17 +81,17 @@ void small_tile(int64_t i0, int64_t j0, int64_t K, int64_t last, const AF& a, in
       const auto* row = b(l + u) + j0;
       V bv[NV];
       for (int v = 0; v < NV; ++v)
-        bv[v] = !Full && v == NV - 1 ? load_as<T>(row + v * V::size(), last) : load_as<T>(row + v * V::size());
+        bv[v] = load_lanes<T, V>(row + v * V::size(), !Full && v == NV - 1 ? last : V::size());
       for (int r = 0; r < R; ++r) {
         const V av(static_cast<T>(ap[r][(l + u) * as]));
-        for (int v = 0; v < NV; ++v) c[u][r][v] = at::vec::fmadd(av, bv[v], c[u][r][v]);
+        for (int v = 0; v < NV; ++v) c[u][r][v] = madd(av, bv[v], c[u][r][v]);
       }
     }
   for (; l < K; ++l) {  // the last K % U steps (U > 1 only where the last vector is whole)
     const auto* row = b(l) + j0;
     for (int r = 0; r < R; ++r) {
       const V av(static_cast<T>(ap[r][l * as]));
-      for (int v = 0; v < NV; ++v) c[0][r][v] = at::vec::fmadd(av, load_as<T>(row + v * V::size()), c[0][r][v]);
+      for (int v = 0; v < NV; ++v) c[0][r][v] = madd(av, load_lanes<T, V>(row + v * V::size(), V::size()), c[0][r][v]);
     }
   }
   for (int u = 1; u < U; ++u)
@@ -59,13 +109,13 @@ void small_tile(int64_t i0, int64_t j0, int64_t K, int64_t last, const AF& a, in
 // small_tile with `last` fixed where it can be: a tile whose last vector is whole (every product
 // of D = 64, and the lane-padded query columns) has no partial load in its loop, which let the
 // compiler keep the accumulators in registers (measured 4-5% off the forward at N = 197, 1,025).
-template <typename T, int R, int NV, typename AF, typename BF>
+template <typename T, typename V, int R, int NV, typename AF, typename BF>
 void small_tile_any(int64_t i0, int64_t j0, int64_t K, int64_t last, const AF& a, int64_t as, const BF& b, T* C,
                     int64_t ldc, bool add) {
-  if (last == Vectorized<T>::size())
-    small_tile<T, R, NV, true>(i0, j0, K, last, a, as, b, C, ldc, add);
+  if (last == V::size())
+    small_tile<T, V, R, NV, true>(i0, j0, K, last, a, as, b, C, ldc, add);
   else
-    small_tile<T, R, NV, false>(i0, j0, K, last, a, as, b, C, ldc, add);
+    small_tile<T, V, R, NV, false>(i0, j0, K, last, a, as, b, C, ldc, add);
 }
 
 // The widest tile, in vectors: a 4 x kTileVectors tile of accumulators, its kTileVectors rows of B and
@@ -78,33 +128,34 @@ constexpr int kTileVectors = 4;
 constexpr int kTileVectors = 3;
 #endif
 
-template <typename T, int R, typename AF, typename BF>
+template <typename T, typename V, int R, typename AF, typename BF>
 void small_rows(int64_t nv, int64_t i0, int64_t j0, int64_t K, int64_t last, const AF& a, int64_t as, const BF& b,
                 T* C, int64_t ldc, bool add) {
   switch (nv) {
-    case 1: return small_tile_any<T, R, 1>(i0, j0, K, last, a, as, b, C, ldc, add);
-    case 2: return small_tile_any<T, R, 2>(i0, j0, K, last, a, as, b, C, ldc, add);
-    case 3: return small_tile_any<T, R, 3>(i0, j0, K, last, a, as, b, C, ldc, add);
+    case 1: return small_tile_any<T, V, R, 1>(i0, j0, K, last, a, as, b, C, ldc, add);
+    case 2: return small_tile_any<T, V, R, 2>(i0, j0, K, last, a, as, b, C, ldc, add);
+    case 3: return small_tile_any<T, V, R, 3>(i0, j0, K, last, a, as, b, C, ldc, add);
     default:
-      if constexpr (kTileVectors >= 4) return small_tile_any<T, R, 4>(i0, j0, K, last, a, as, b, C, ldc, add);
+      if constexpr (kTileVectors >= 4) return small_tile_any<T, V, R, 4>(i0, j0, K, last, a, as, b, C, ldc, add);
   }
 }
 
-template <typename T, typename AF, typename BF>
+// C (M x N) = A B (+ C when `add`) by register tiles of vectors V (Lanes8: floats).
+template <typename T, typename V = Vectorized<T>, typename AF, typename BF>
 void small_gemm(int64_t M, int64_t N, int64_t K, const AF& a, int64_t as, const BF& b, T* C, int64_t ldc,
                 bool add = false) {
-  constexpr int64_t W = Vectorized<T>::size(), NV = kTileVectors;
+  constexpr int64_t W = V::size(), NV = kTileVectors;
   for (int64_t j0 = 0; j0 < N; j0 += NV * W) {
     const int64_t nv = std::min<int64_t>(NV, (N - j0 + W - 1) / W), last = std::min(W, N - j0 - (nv - 1) * W);
     int64_t i0 = 0;
     if (nv == 1)  // one vector a row: 8 rows keep 8 independent multiply-add chains in flight
-      for (; i0 + 8 <= M; i0 += 8) small_tile_any<T, 8, 1>(i0, j0, K, last, a, as, b, C, ldc, add);
-    for (; i0 + 4 <= M; i0 += 4) small_rows<T, 4>(nv, i0, j0, K, last, a, as, b, C, ldc, add);
+      for (; i0 + 8 <= M; i0 += 8) small_tile_any<T, V, 8, 1>(i0, j0, K, last, a, as, b, C, ldc, add);
+    for (; i0 + 4 <= M; i0 += 4) small_rows<T, V, 4>(nv, i0, j0, K, last, a, as, b, C, ldc, add);
     if (M - i0 >= 2) {
-      small_rows<T, 2>(nv, i0, j0, K, last, a, as, b, C, ldc, add);
+      small_rows<T, V, 2>(nv, i0, j0, K, last, a, as, b, C, ldc, add);
       i0 += 2;
     }
-    if (M - i0 == 1) small_rows<T, 1>(nv, i0, j0, K, last, a, as, b, C, ldc, add);
+    if (M - i0 == 1) small_rows<T, V, 1>(nv, i0, j0, K, last, a, as, b, C, ldc, add);
   }
 }
 
@@ -144,10 +195,11 @@ inline void transpose_block(Vectorized<float> r[16]) {
       }
   }
 }
-#elif defined(CPU_CAPABILITY_AVX2)
+#endif
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 // 8 vectors of 8 floats transposed in registers, r[i][j] <- r[j][i]: pairs of rows interleaved,
 // then pairs of pairs (columns c and c + 4 of four rows), then the 128-bit halves exchanged.
-inline void transpose_block(Vectorized<float> r[8]) {
+inline void transpose8(__m256 r[8]) {
   __m256 t[8], u[8];
   for (int i = 0; i < 8; i += 2) {
     t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
@@ -164,16 +216,20 @@ inline void transpose_block(Vectorized<float> r[8]) {
   }
 }
 #endif
+#if defined(CPU_CAPABILITY_AVX512)
+inline void transpose_block(Lanes8 r[8]) { transpose8(reinterpret_cast<__m256*>(r)); }
+#elif defined(CPU_CAPABILITY_AVX2)
+inline void transpose_block(Vectorized<float> r[8]) { transpose8(reinterpret_cast<__m256*>(r)); }
+#endif
 
 // Qt (D x ld) = scale * the rows row(0 .. nb) as its columns, columns nb .. ld zero (a small
 // expert's queries as lanes; an operand of gemm transposed); rows of T or of half precision. With AVX-512 or AVX2 by square blocks
 // transposed in registers (a partial block's missing rows loaded as zeros, its missing columns not
 // stored): the element-wise stores were a fifth of the routed phase at N = 197.
-template <typename T, typename RF>
+template <typename T, typename V = Vectorized<T>, typename RF>
 void rows_as_columns(int64_t nb, int64_t D, int64_t ld, T scale, const RF& row, T* Qt) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   if constexpr (std::is_same_v<T, float>) {
-    using V = Vectorized<float>;
     constexpr int W = V::size();
     const V vs(scale);
     for (int64_t i0 = 0; i0 < ld; i0 += W) {
@@ -183,7 +239,7 @@ void rows_as_columns(int64_t nb, int64_t D, int64_t ld, T scale, const RF& row, 
         const int64_t n = std::min<int64_t>(W, D - d0);
         V r[W];
         for (int i = 0; i < W; ++i)
-          r[i] = rp[i] ? load_as<T>(rp[i] + d0, n) * vs : V(0.f);
+          r[i] = rp[i] ? load_lanes<T, V>(rp[i] + d0, n) * vs : V(0.f);
         transpose_block(r);
         for (int c = 0; c < n; ++c) r[c].store(Qt + (d0 + c) * ld + i0);
       }
