@@ -227,40 +227,62 @@ struct Forward {
         }
       }
 #endif
-    for (int64_t i = 0; i < nq && !by_lanes; ++i) {
-      T* g = G + i * ld;
-      std::fill(g + m, g + ld, ninf);  // whole vectors
-      V vmax = vninf;
-      for (int64_t j = 0; j < ld; j += W) vmax = at::vec::maximum(vmax, V::loadu(g + j));
-      const T gmax = at::vec::vec_reduce_all<T>([](V& p, V& c) { return at::vec::maximum(p, c); }, vmax);
-      int64_t* r = R + (x * Nq + t0 + i) * s;
-      if (s == 1) {  // the first largest gate (a NaN among them routes to 0)
-        int64_t arg = 0;
-        if (gmax == gmax)
-          for (int64_t j = 0; j < ld; j += W)
-            if (const int hit = ~(V::loadu(g + j) == V(gmax)).zero_mask() & ((1 << W) - 1)) {
-              arg = j + __builtin_ctz(hit);
-              break;
-            }
-        r[0] = arg;
-      } else {  // the s largest gates, ties to the lower landmark
-        int64_t* order = sc.order.data();
-        std::iota(order, order + m, int64_t(0));
-        std::partial_sort(order, order + s, order + m,
-                          [g](int64_t a, int64_t c) { return g[a] > g[c] || (g[a] == g[c] && a < c); });
-        std::copy(order, order + s, r);
+    // By rows, `n` queries at a time, each step over their rows in turn: a row's steps (max, its
+    // reduction, argmax, exponentials, their sum, the scaling) are one chain whose latency bounded
+    // the loop at rows of 49-64 gates; the chains of n rows overlap.
+    const auto by_rows = [&](int64_t i0, auto rows) {
+      constexpr int n = decltype(rows)::value;
+      T* g[n];
+      T gmax[n], tot[n];
+      V vmax[n], sum[n];
+      for (int r = 0; r < n; ++r) {
+        g[r] = G + (i0 + r) * ld;
+        std::fill(g[r] + m, g[r] + ld, ninf);  // whole vectors
+        vmax[r] = vninf;
+        sum[r] = V(T(0));
       }
-      const V vm(gmax);  // the difference scaled, never above 0: see exp_sum
-      V sum(T(0));
-      for (int64_t j = 0; j < ld; j += W) {
-        const V p = vexp((V::loadu(g + j) - vm) * vls);
-        p.store(g + j);
-        sum = sum + p;
+      for (int64_t j = 0; j < ld; j += W)
+        for (int r = 0; r < n; ++r) vmax[r] = at::vec::maximum(vmax[r], V::loadu(g[r] + j));
+      for (int r = 0; r < n; ++r)
+        gmax[r] = at::vec::vec_reduce_all<T>([](V& p, V& c) { return at::vec::maximum(p, c); }, vmax[r]);
+      for (int r = 0; r < n; ++r) {
+        int64_t* route = R + (x * Nq + t0 + i0 + r) * s;
+        const T* row = g[r];
+        if (s == 1) {  // the first largest gate (a NaN among them routes to 0)
+          int64_t arg = 0;
+          if (gmax[r] == gmax[r])
+            for (int64_t j = 0; j < ld; j += W)
+              if (const int hit = ~(V::loadu(row + j) == V(gmax[r])).zero_mask() & ((1 << W) - 1)) {
+                arg = j + __builtin_ctz(hit);
+                break;
+              }
+          route[0] = arg;
+        } else {  // the s largest gates, ties to the lower landmark
+          int64_t* order = sc.order.data();
+          std::iota(order, order + m, int64_t(0));
+          std::partial_sort(order, order + s, order + m, [row](int64_t a, int64_t c) {
+            return row[a] > row[c] || (row[a] == row[c] && a < c);
+          });
+          std::copy(order, order + s, route);
+        }
       }
-      const T tot = at::vec::vec_reduce_all<T>([](V& p, V& c) { return p + c; }, sum);
-      scale_row(g, m, T(1) / tot);
-      sc.a[i] = gmax * lscale;  // the largest logit
-      sc.w[i] = tot;
+      for (int64_t j = 0; j < ld; j += W)
+        for (int r = 0; r < n; ++r) {  // the difference scaled, never above 0: see exp_sum
+          const V p = vexp((V::loadu(g[r] + j) - V(gmax[r])) * vls);
+          p.store(g[r] + j);
+          sum[r] = sum[r] + p;
+        }
+      for (int r = 0; r < n; ++r) tot[r] = at::vec::vec_reduce_all<T>([](V& p, V& c) { return p + c; }, sum[r]);
+      for (int r = 0; r < n; ++r) {
+        scale_row(g[r], m, T(1) / tot[r]);
+        sc.a[i0 + r] = gmax[r] * lscale;  // the largest logit
+        sc.w[i0 + r] = tot[r];
+      }
+    };
+    if (!by_lanes) {
+      int64_t i = 0;
+      for (; i + 4 <= nq; i += 4) by_rows(i, std::integral_constant<int, 4>{});
+      for (; i < nq; ++i) by_rows(i, std::integral_constant<int, 1>{});
     }
     if (qm)
       for (int64_t i = 0; i < nq; ++i) {
