@@ -184,10 +184,10 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           // A small expert as in the forward: P^T and dP^T with its queries as lanes, every product in
           // register tiles reading rows in place (8-10% off the backward at N = 197, 2-3% at 1,025;
           // the same with BLAS-shaped buffers, tried first, measured no gain). The queries are the
-          // lanes of vectors V: Lanes8 for up to 8 of them (float rows, an AVX-512 build; products.h).
+          // lanes of vectors V (with_lanes, products.h).
           const auto small_expert = [&](auto lanes) {
             using V = decltype(lanes);
-            const int64_t ld = std::is_same_v<V, Vectorized<T>> ? padded_ld<T>(n_e) : V::size();
+            const int64_t ld = lanes_ld<T, V>(n_e);
             T *Qt = Qb.data(), *dOt = dOb.data(), *Pt = P.data(), *dPt = dP.data();
             const auto qrow = [&](int64_t i) { return Qx + (mem[i] / s) * qs; };
             const auto dorow = [&](int64_t i) { return dOx + (mem[i] / s) * dos; };
@@ -230,14 +230,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             add_dkv();
           };
           if (n_e <= kQueryBlock && n_e * kk * D <= kSmallBackward) {
-#if defined(CPU_CAPABILITY_AVX512)
-            if constexpr (!conv && std::is_same_v<T, float>)
-              if (n_e <= Lanes8::size()) {
-                small_expert(Lanes8{});
-                continue;
-              }
-#endif
-            small_expert(Vectorized<T>{});
+            with_lanes<T, std::decay_t<decltype(*Kx)>>(n_e, small_expert);
             continue;
           }
           for (int64_t i = 0; i < kk; ++i) {

@@ -69,6 +69,10 @@ struct Forward {
     }
   };
 
+  // Whether a head's keys take more than kPrefetchAbove bytes: rows read by index or first read
+  // then are asked for ahead.
+  bool ahead() const { return Nk * D * int64_t(sizeof(T)) > kPrefetchAbove; }
+
   // Head x's rows: element (t, d) of q at qx(x)[t * qr.st + d], and so on.
   const In* qx(int64_t x) const { return Q + qr.head(x / H, x % H); }
   const In* kx(int64_t x) const { return K + kr.head(x / H, (x % H) / G); }
@@ -119,8 +123,7 @@ struct Forward {
       // softmax, where the keys take more than kPrefetchAbove bytes: their first reads (the packing
       // for brgemm, from memory) waited on them (forward 2-3% faster at N = 4,096 and 16,384,
       // float32 and bfloat16, Zen 4).
-      const bool ahead = Nk * D * int64_t(sizeof(T)) > kPrefetchAbove;
-      const int64_t nn = ahead ? std::min(kKeyBlock, Nk - j0 - nb) : 0, nv = ahead ? nb : 0;
+      const int64_t nn = ahead() ? std::min(kKeyBlock, Nk - j0 - nb) : 0, nv = ahead() ? nb : 0;
       for (int64_t r = 0; r < nr; ++r) {
         for (int64_t j = r * nn / nr; j < (r + 1) * nn / nr; ++j) prefetch_row(Kx + (j0 + nb + j) * kr.st, D);
         for (int64_t j = r * nv / nr; j < (r + 1) * nv / nr; ++j) prefetch_row(Vx + (j0 + j) * vr.st, D);
@@ -355,22 +358,17 @@ struct Forward {
 
   // The routed softmax of a small expert's nb queries (slots mem) over its kk keys, into sc.Ob and
   // sc.lse: S^T = K_e Q^T (keys by index, queries packed as columns), a softmax down each column,
-  // out = P V_e (values by index). The queries as the lanes of vectors V: Lanes8 for up to 8 float
-  // queries in an AVX-512 build (half the lanes of its vectors; see Lanes8), else Vectorized<T>.
+  // out = P V_e (values by index). The queries are the lanes of vectors V (with_lanes, products.h).
   void small_expert(int64_t x, const int64_t* mem, int64_t nb, int64_t kk, const int64_t* keys, Scratch& sc) const {
-#if defined(CPU_CAPABILITY_AVX512)
-    if constexpr (std::is_same_v<In, float>)
-      if (nb <= Lanes8::size()) return small_expert_as<Lanes8>(x, mem, nb, kk, keys, sc);
-#endif
-    small_expert_as<Vectorized<T>>(x, mem, nb, kk, keys, sc);
+    with_lanes<T, In>(nb, [&](auto lanes) { small_expert_as<decltype(lanes)>(x, mem, nb, kk, keys, sc); });
   }
   template <typename V>
   void small_expert_as(int64_t x, const int64_t* mem, int64_t nb, int64_t kk, const int64_t* keys, Scratch& sc) const {
     const In* Kx = kx(x);
     const In* Vx = vx(x);
     T *Qt = sc.Qb.data(), *St = sc.Sb.data();
-    const int64_t ld = std::is_same_v<V, Vectorized<T>> ? padded_ld<T>(nb) : V::size();  // no masked loads
-    if (Nk * D * int64_t(sizeof(T)) > kPrefetchAbove) {
+    const int64_t ld = lanes_ld<T, V>(nb);
+    if (ahead()) {
       for (int64_t i = 0; i < nb; ++i) prefetch_row(qx(x) + (mem[i] / s) * qr.st, D);
       for (int64_t j = 0; j < kk; ++j) {
         prefetch_row(Kx + keys[j] * kr.st, D);
@@ -395,7 +393,7 @@ struct Forward {
     };
     rows_as_columns<T, V>(nb, D, ld, scale, [&](int64_t i) { return qx(x) + (mem[i] / s) * qr.st; }, Qt);
     small_gemm<T, V>(kk, ld, D, krow, 1, [&](int64_t d) { return Qt + d * ld; }, St, ld);
-    if (s == 1 && Nk * D * int64_t(sizeof(T)) > kPrefetchAbove)  // the output rows merge_block updates
+    if (s == 1 && ahead())  // the output rows merge_block updates
       for (int64_t i = 0; i < nb; ++i) prefetch_row(ox(x) + mem[i] * outr.st, D);
     for (int64_t i0 = 0; i0 < ld; i0 += V::size()) {  // the queries are the lanes
       V mx(-std::numeric_limits<T>::infinity()), sum(T(0));

@@ -50,6 +50,22 @@ template <typename T>
 inline Vectorized<T> lanes_max(const Vectorized<T>& a, const Vectorized<T>& b) {
   return at::vec::maximum(a, b);
 }
+// A small expert's n queries as the lanes of vectors V: `body` is called with a V, Lanes8 for up to
+// 8 float rows (In, the rows' type) in an AVX-512 build, else Vectorized<T>.
+template <typename T, typename In, typename F>
+void with_lanes(int64_t n, const F& body) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<In, float>)
+    if (n <= Lanes8::size()) return body(Lanes8{});
+#endif
+  body(Vectorized<T>{});
+}
+// The row stride of n lanes in vectors V: whole vectors (padded_ld for Vectorized<T>), no masked loads.
+template <typename T, typename V>
+int64_t lanes_ld(int64_t n) {
+  if constexpr (std::is_same_v<V, Vectorized<T>>) return padded_ld<T>(n);
+  else return V::size();
+}
 // n <= V::size() elements of p as a vector V of T (Vectorized<T>: any input type; Lanes8: floats).
 template <typename T, typename V, typename In>
 inline V load_lanes(const In* p, int64_t n) {
