@@ -8,6 +8,8 @@ is its fused_cpu.cpp, with the headers it includes (``#include "x.h"``) beside i
     mkdir -p /tmp/old && git archive HEAD~3 src/mita/ops/mita/csrc | tar -x -C /tmp/old
     python scripts/kernel_ab.py /tmp/old/src/mita/ops/mita/csrc/fused_cpu.cpp \
         src/mita/ops/mita/csrc/fused_cpu.cpp --threads 1
+``--layout qkv`` passes q, k, v as views of one (B, N, 3, H, D) buffer, as timm's attention and
+mita's layers do (rows 3 H D apart), instead of three contiguous tensors.
 With ``--dtypes`` each version runs in each dtype (inputs drawn in float32, then cast), every
 (version, dtype) pair timed in the same alternating rounds, ratios to the first pair; versions
 are checked against the first version in the same dtype. Half precision against float32:
@@ -84,15 +86,29 @@ def build(sources: list[str], folder: Path) -> list[object]:
     return spaces
 
 
+def inputs(B: int, H: int, N: int, layout: str, dtype: torch.dtype) -> list[torch.Tensor]:
+    """q, k, v and dout (B, H, N, 64), drawn in float32 then cast: each contiguous (``bhnd``), or q, k, v
+    as views of one (B, N, 3, H, 64) buffer, as timm's attention and mita's layers pass them (``qkv``)."""
+    gen = torch.Generator().manual_seed(0)
+    if layout == "qkv":
+        qkv = torch.randn(B, N, 3, H, 64, generator=gen).to(dtype)
+        return [*qkv.permute(2, 0, 3, 1, 4).unbind(0), torch.randn(B, H, N, 64, generator=gen).to(dtype)]
+    return [torch.randn(B, H, N, 64, generator=gen).to(dtype) for _ in range(4)]
+
+
 def time_case(
-    case: str, spaces: list[object], modes: list[str], rounds: int, dtypes: list[str], check_versions: bool = True
+    case: str,
+    spaces: list[object],
+    modes: list[str],
+    rounds: int,
+    dtypes: list[str],
+    check_versions: bool = True,
+    layout: str = "bhnd",
 ) -> None:
     """Checks every version against the first (in each dtype; unless ``check_versions`` is False),
     then prints the medians and ratios of every (version, dtype) pair."""
     B, H, N, m, grid, prefix = CASES[case]
-    gen = torch.Generator().manual_seed(0)
-    inputs32 = [torch.randn(B, H, N, 64, generator=gen) for _ in range(4)]
-    q, k, v, _ = inputs32
+    q, k, v, _ = inputs(B, H, N, layout, torch.float32)
     cfg = check(
         q,
         k,
@@ -113,7 +129,7 @@ def time_case(
     bins = pool_bins(cfg.pooling, N)
     # (version, dtype) pairs, each with its inputs: the first version in each dtype is its yardstick.
     pairs = [(i, ns, getattr(torch, dt)) for dt in dtypes for i, ns in enumerate(spaces)]
-    data = {dt: [t.to(dt) for t in inputs32] for _, _, dt in pairs}
+    data = {dt: inputs(B, H, N, layout, dt) for _, _, dt in pairs}
 
     def fwd_args(dt: torch.dtype) -> tuple:
         q, k, v, _ = data[dt]
@@ -175,12 +191,19 @@ def main() -> None:
         help="skip the agreement check: versions that compute differently (bfloat16 products against float32"
         " scratch, whose routing may differ) are tested by tests/test_mita_fused.py instead",
     )
+    p.add_argument(
+        "--layout",
+        default="bhnd",
+        choices=["bhnd", "qkv"],
+        help="q, k, v each contiguous (default), or views of one (B, N, 3, H, D) buffer, as timm's attention passes"
+        " them",
+    )
     p.add_argument("--build", type=Path, default=fused.cache_root() / "kernel-ab", help="build folder (yours)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     spaces = build(args.sources, args.build)
     for case in args.cases:
-        time_case(case, spaces, args.modes, args.rounds, args.dtypes, not args.no_check)
+        time_case(case, spaces, args.modes, args.rounds, args.dtypes, not args.no_check, args.layout)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,16 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
       const bool* km = key_mask ? key_mask + b * Nk : nullptr;
       const int64_t kk = key_mask ? std::min<int64_t>(topk, std::count(km, km + Nk, true)) : topk;
       const int64_t h = x % H, hkv = h / G;
+      // Part e of m of the next head's q, dout, out, k, v rows read ahead (products.h), if they fit in L2.
+      const bool ahead = x + 1 < end && (3 * Nq + 2 * Nk) * D * int64_t(sizeof(In)) <= l2_bytes();
+      const auto read_next = [&, b1 = (x + 1) / H, h1 = (x + 1) % H](int64_t e) {
+        if (!ahead) return;
+        read_ahead(Q + qr.head(b1, h1), qs, Nq, D, e, m);
+        read_ahead(dO + dor.head(b1, h1), dos, Nq, D, e, m);
+        read_ahead(O + outr.head(b1, h1), os, Nq, D, e, m);
+        read_ahead(K + kr.head(b1, h1 / G), ks, Nk, D, e, m);
+        read_ahead(Vv + vr.head(b1, h1 / G), vs, Nk, D, e, m);
+      };
       // The head's rows: read in place, or (half precision, a small head) converted once into
       // float32 scratch first, as the forward's on_rows does; the body below reads either.
       const auto head = [&](const auto* Qx, const auto* dOx, const auto* Ox, const auto* Kx, const auto* Vx,
@@ -162,6 +172,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         // Routed experts: queries grouped by expert, as in the forward (members hold t * s + j).
         group_by_expert(R + x * Nq * s, qm, Nq, s, m, start.data(), members.data());
         for (int64_t e = 0; e < m; ++e) {
+          read_next(e);
           const int64_t n_e = start[e + 1] - start[e];
           if (n_e == 0) continue;
           const int64_t* keys = E + (x * m + e) * topk;

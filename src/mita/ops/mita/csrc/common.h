@@ -21,6 +21,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <unistd.h>
+
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif

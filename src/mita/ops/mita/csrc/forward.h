@@ -471,13 +471,27 @@ struct Forward {
             key_mask, query_mask, o, VS, LA, LT, LSE, RO, RL, o, E, R, start, members, n_real};
   }
 
-  // Every phase of head x, in turn.
-  void head(int64_t x, Scratch& sc) const {
+  // Part e of m of head x's q, k, v rows read into L2 ahead of its turn (read_ahead, products.h), if
+  // they fit: during the routed phase of the head before it (forward 0.93-0.96 / 0.97 of the time at
+  // N = 197 / 1,025, Zen 4).
+  void prefetch_head(int64_t x, int64_t e) const {
+    if ((Nq + 2 * Nk) * D * int64_t(sizeof(In)) > l2_bytes()) return;
+    read_ahead(qx(x), qr.st, Nq, D, e, m);
+    read_ahead(kx(x), kr.st, Nk, D, e, m);
+    read_ahead(vx(x), vr.st, Nk, D, e, m);
+  }
+
+  // Every phase of head x, in turn, with during(e) after each routed expert e.
+  template <typename During>
+  void head(int64_t x, Scratch& sc, const During& during) const {
     pool(x);
     experts(x, 0, m, sc);
     for (int64_t t0 = 0; t0 < Nq; t0 += kQueryBlock) gate(x, t0, std::min(kQueryBlock, Nq - t0), sc);
     group(x);
-    for (int64_t e = 0; e < m; ++e) routed(x, e, sc);
+    for (int64_t e = 0; e < m; ++e) {
+      routed(x, e, sc);
+      during(e);
+    }
     if (s > 1) merge(x * Nq, (x + 1) * Nq);
   }
 };
@@ -521,6 +535,11 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   if (by_head) {
     at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
       const SingleThreadedBlas blas;
+      const auto next = [&](int64_t x) {  // the next head of this thread read ahead during head x's routed phase
+        return [&f, x, end](int64_t e) {
+          if (x + 1 < end) f.prefetch_head(x + 1, e);
+        };
+      };
       if constexpr (Forward<T, In>::kBf16)
         if (f.bf16_path()) {
           // bfloat16 products: every phase reads a head's q, k, v rows in place as bfloat16; its
@@ -533,7 +552,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           g.by_head = true;
           typename Forward<T, In>::Scratch sc(g, m);
           for (int64_t x = begin; x < end; ++x) {
-            g.head(x, sc);
+            g.head(x, sc, next(x));
             In* o = f.OUT + f.outr.head(x / H, x % H);
             for (int64_t t = 0; t < Nq; ++t) from_compute(ho.data() + t * D, o + t * f.outr.st, D);
           }
@@ -551,13 +570,13 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           rows_as(f.qx(x), Nq, D, lq, hq.data());
           rows_as(f.kx(x), Nk, D, lk, hk.data());
           rows_as(f.vx(x), Nk, D, lv, hv.data());
-          g.head(x, sc);
+          g.head(x, sc, next(x));
           In* o = f.OUT + f.outr.head(x / H, x % H);
           for (int64_t t = 0; t < Nq; ++t) from_compute(ho.data() + t * D, o + t * f.outr.st, D);
         }
       } else {
         typename Forward<T, In>::Scratch sc(f, m);
-        for (int64_t x = begin; x < end; ++x) f.head(x, sc);
+        for (int64_t x = begin; x < end; ++x) f.head(x, sc, next(x));
       }
     });
     return;

@@ -181,9 +181,39 @@ void small_gemm(int64_t M, int64_t N, int64_t K, const AF& a, int64_t as, const 
 // whose keys take more than kPrefetchAbove bytes: at N = 197 (50 KB, the rows mostly still in L1
 // from phase A) the forward ran 2-3% faster without.
 constexpr int64_t kPrefetchAbove = int64_t(1) << 17;
-template <typename T>
+// Locality 3 asks for the row into L1 (prefetcht0), 2 into L2 (prefetcht1).
+template <typename T, int Locality = 3>
 inline void prefetch_row(const T* row, int64_t D) {
-  for (int64_t c = 0; c < D; c += 64 / int64_t(sizeof(T))) __builtin_prefetch(row + c);
+  for (int64_t c = 0; c < D; c += 64 / int64_t(sizeof(T))) __builtin_prefetch(row + c, 0, Locality);
+}
+
+// Part i of `parts` of reading n rows (D elements each, the first at `first`, st apart) into L2 ahead
+// of their use, while other work runs: the next small head's q, k, v during this head's routed phase.
+// Their first reads came from memory (a head's pooling and phase A took 12% longer with 96 heads
+// than with 8 at N = 197, the data no longer cached). Rows under a page apart (a head's rows its
+// own pages) have part 0 first read a byte of each page: prefetches alone were mostly dropped (no
+// gain, Zen 4: one whose page translation is not cached is often dropped). Rows a page apart or more
+// (timm's q, k, v, views of one qkv buffer) lie in pages the head before read too: reading them cost
+// more than it saved (forward 1.04 of the time at N = 1,025, against 0.98 with prefetches alone).
+// Into L2, not L1: prefetcht0 evicted this head's rows (forward 1.011 against 0.944 at N = 197, Zen 4).
+// The caller reads ahead only rows that fit in one core's L2 (sysconf's, else 512 KiB): N = 197 and
+// 1,025 forward (151 and 787 KB), 197 backward (q, k, v, dout, out: 252 KB).
+inline int64_t l2_bytes() {
+#if defined(_SC_LEVEL2_CACHE_SIZE)
+  static const int64_t bytes = std::max<int64_t>(sysconf(_SC_LEVEL2_CACHE_SIZE), 0);
+  if (bytes > 0) return bytes;
+#endif
+  return int64_t(512) << 10;
+}
+template <typename E>
+void read_ahead(const E* first, int64_t st, int64_t n, int64_t D, int64_t i, int64_t parts) {
+  const auto touch = [](const E* p) { (void)*reinterpret_cast<const volatile char*>(p); };
+  if (i == 0 && st * int64_t(sizeof(E)) < 4096) {  // row starts a page apart (st >= D: fused_cpu.cpp), the last row's end
+    const int64_t step = 4096 / (st * int64_t(sizeof(E)));
+    for (int64_t r = 0; r < n; r += step) touch(first + r * st);
+    touch(first + (n - 1) * st + D - 1);
+  }
+  for (int64_t r = i * n / parts; r < (i + 1) * n / parts; ++r) prefetch_row<E, 2>(first + r * st, D);
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
