@@ -352,6 +352,15 @@ def test_operator_refuses_empty_sizes(dim, kernel) -> None:
         torch.ops.mita.fused_backward(q, q, k, k, landmarks, None, None, *(torch.empty(0),) * 6, 0.5, 0.5)
 
 
+def test_operator_refuses_rows_of_stride_zero(kernel) -> None:
+    """Rows of stride 0 (a tensor expanded along the tokens) would reach the products with a leading
+    dimension of 0: the operators name the layout and the fix; mita_attention copies such inputs."""
+    q, landmarks = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 2, 4)
+    k = torch.randn(1, 2, 1, 4).expand(1, 2, 8, 4)
+    with pytest.raises(RuntimeError, match=r"stride\(-2\) >= size\(-1\)\); pass t.contiguous\(\)"):
+        torch.ops.mita.fused_forward(q, k, q, landmarks, None, None, 2, 1, 0.5, 0.5)
+
+
 def test_operator_schema_and_fake_kernel(kernel) -> None:
     """torch.library's checks: the schema matches what the kernel does, the fake kernel its shapes."""
     q, k, v, mask = Case(B=2, H=2, N=50, D=8, m=4, k=6, s=2, mask=True).inputs(dtype=torch.float32)
@@ -501,6 +510,24 @@ def test_strided_inputs_and_gradients_are_read_in_place(hkv: int) -> None:
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     assert results[0][0].transpose(1, 2).is_contiguous()
+
+
+def test_expanded_inputs() -> None:
+    """q expanded along the heads (read in place), k and v along the tokens (rows of stride 0, copied:
+    every key the same, so every score ties) and the gradient of a sum over the tokens (rows of stride
+    0), in a call of many small heads per thread (each reads the next head's rows ahead): the kernels
+    agree with the reference, ties to the lower key index in both."""
+    B, H, N, D = 2, 6, 40, 8
+    q0, k0, v0 = (torch.randn(B, *shape, D, dtype=torch.float64) for shape in ((1, N), (H, 1), (H, 1)))
+    weight = torch.randn(B, H, D, dtype=torch.float64)
+    results = []
+    for impl in ("fused", "reference"):
+        leaves = [t.clone().requires_grad_() for t in (q0, k0, v0)]
+        q, k, v = leaves[0].expand(B, H, N, D), leaves[1].expand(B, H, N, D), leaves[2].expand(B, H, N, D)
+        out = mita_attention(q, k, v, num_landmarks=5, topk=6, impl=impl)
+        results.append((out, *torch.autograd.grad(out.sum(dim=2), leaves, weight)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("scales", [(4.0, 0.05), (0.05, 4.0), (1.0, 1.0)], ids=["routed-wins", "shared-wins", "even"])

@@ -340,9 +340,10 @@ def _fused_forward(q, k, v, landmarks, cfg: MiTAConfig, bins) -> tuple[torch.Ten
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t itself when its rows (last dimension) are contiguous, whatever its other strides, else a copy:
-    the kernels read any such layout (q, k, v of a timm block are views of one qkv buffer)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
+    """t itself when its rows (last dimension) are contiguous and apart, whatever its other strides, else
+    a copy: the kernels read any such layout (q, k, v of a timm block are views of one qkv buffer), but
+    not rows of stride 0 (a tensor expanded along the tokens, as the gradient of a mean over them)."""
+    return t if t.stride(-1) == 1 and t.stride(-2) >= t.size(-1) else t.contiguous()
 
 
 def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

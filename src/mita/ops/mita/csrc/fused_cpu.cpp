@@ -29,9 +29,11 @@
 
 namespace {
 
-// A 4-D tensor whose rows (the last dimension) are contiguous, in any layout of the others.
+// A 4-D tensor whose rows (the last dimension) are contiguous and apart, in any layout of the others
+// (rows of stride 0, a tensor expanded along the tokens, would give the products a leading dimension
+// of 0: wrong results).
 bool rows_contiguous(const at::Tensor& t) {
-  return t.dim() == 4 && (t.stride(3) == 1 || t.size(3) == 1);
+  return t.dim() == 4 && (t.stride(3) == 1 || t.size(3) == 1) && t.stride(2) >= t.size(3);
 }
 
 // The dtype the kernels compute in for inputs of `dtype`: float64 for float64, else float32
@@ -46,7 +48,8 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               "mita fused: q must be float32, float64, bfloat16 or float16, got ", dt);
   for (const auto* t : {&q, &k, &v, &landmarks}) {
     TORCH_CHECK(t->device().is_cpu() && rows_contiguous(*t),
-                "mita fused: q, k, v, landmarks must be 4-D CPU tensors with contiguous rows (stride(-1) == 1)");
+                "mita fused: q, k, v, landmarks must be 4-D CPU tensors with contiguous rows apart (stride(-1) == 1, "
+                "stride(-2) >= size(-1)); pass t.contiguous()");
     TORCH_CHECK(t->scalar_type() == (t == &landmarks ? compute_type(dt) : dt),
                 "mita fused: q, k, v must share one dtype and the landmarks be of the dtype it computes in (",
                 compute_type(dt), " for ", dt, "), got ", t->scalar_type());
