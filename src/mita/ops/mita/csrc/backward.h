@@ -67,15 +67,12 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
       const bool* km = key_mask ? key_mask + b * Nk : nullptr;
       const int64_t kk = key_mask ? std::min<int64_t>(topk, std::count(km, km + Nk, true)) : topk;
       const int64_t h = x % H, hkv = h / G;
-      // Part e of m of the next head's q, dout, out, k, v rows read ahead (products.h), if they fit in L2.
-      const bool ahead = x + 1 < end && (3 * Nq + 2 * Nk) * D * int64_t(sizeof(In)) <= l2_bytes();
+      // Part e of m of the next head's q, dout, out, k, v rows read into L2 ahead (read_ahead, products.h).
       const auto read_next = [&, b1 = (x + 1) / H, h1 = (x + 1) % H](int64_t e) {
-        if (!ahead) return;
-        read_ahead(Q + qr.head(b1, h1), qs, Nq, D, e, m);
-        read_ahead(dO + dor.head(b1, h1), dos, Nq, D, e, m);
-        read_ahead(O + outr.head(b1, h1), os, Nq, D, e, m);
-        read_ahead(K + kr.head(b1, h1 / G), ks, Nk, D, e, m);
-        read_ahead(Vv + vr.head(b1, h1 / G), vs, Nk, D, e, m);
+        if (x + 1 < end)
+          read_ahead<In>({{Q + qr.head(b1, h1), qs, Nq}, {dO + dor.head(b1, h1), dos, Nq}, {O + outr.head(b1, h1), os, Nq},
+                          {K + kr.head(b1, h1 / G), ks, Nk}, {Vv + vr.head(b1, h1 / G), vs, Nk}},
+                         D, e, m);
       };
       // The head's rows: read in place, or (half precision, a small head) converted once into
       // float32 scratch first, as the forward's on_rows does; the body below reads either.

@@ -19,9 +19,12 @@
 #include <functional>
 #include <numeric>
 #include <type_traits>
+#include <initializer_list>
 #include <vector>
 
-#include <unistd.h>
+#if __has_include(<unistd.h>)
+#include <unistd.h>  // sysconf: the L2 size (products.h)
+#endif
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>

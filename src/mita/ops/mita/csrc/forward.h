@@ -471,14 +471,11 @@ struct Forward {
             key_mask, query_mask, o, VS, LA, LT, LSE, RO, RL, o, E, R, start, members, n_real};
   }
 
-  // Part e of m of head x's q, k, v rows read into L2 ahead of its turn (read_ahead, products.h), if
-  // they fit: during the routed phase of the head before it (forward 0.91-0.96 / 0.97-0.98 of the time
-  // at N = 197 / 1,025, Zen 4).
+  // Part e of m of head x's q, k, v rows read into L2 ahead of its turn (read_ahead, products.h):
+  // during the routed phase of the head before it (forward 0.91-0.96 / 0.97-0.98 of the time at
+  // N = 197 / 1,025, Zen 4).
   void prefetch_head(int64_t x, int64_t e) const {
-    if ((Nq + 2 * Nk) * D * int64_t(sizeof(In)) > l2_bytes()) return;
-    read_ahead(qx(x), qr.st, Nq, D, e, m);
-    read_ahead(kx(x), kr.st, Nk, D, e, m);
-    read_ahead(vx(x), vr.st, Nk, D, e, m);
+    read_ahead<In>({{qx(x), qr.st, Nq}, {kx(x), kr.st, Nk}, {vx(x), vr.st, Nk}}, D, e, m);
   }
 
   // Every phase of head x, in turn, with during(e) after each routed expert e.

@@ -187,17 +187,14 @@ inline void prefetch_row(const T* row, int64_t D) {
   for (int64_t c = 0; c < D; c += 64 / int64_t(sizeof(T))) __builtin_prefetch(row + c, 0, Locality);
 }
 
-// Part i of `parts` of reading n rows (D elements each, the first at `first`, st apart) into L2 ahead
-// of their use, while other work runs: the next small head's q, k, v during this head's routed phase.
-// Their first reads came from memory (a head's pooling and phase A took 12% longer with 96 heads
-// than with 8 at N = 197, the data no longer cached). Rows under a page apart (a head's rows its
-// own pages) have part 0 first read a byte of each page: prefetches alone were mostly dropped (no
-// gain, Zen 4: one whose page translation is not cached is often dropped). Rows a page apart or more
-// (timm's q, k, v, views of one qkv buffer) lie in pages the head before read too: reading them cost
-// more than it saved (forward 1.04 of the time at N = 1,025, against 0.98 with prefetches alone).
-// Into L2, not L1: prefetcht0 evicted this head's rows (forward 1.011 against 0.944 at N = 197, Zen 4).
-// The caller reads ahead only rows that fit in one core's L2 (sysconf's, else 512 KiB): N = 197 and
-// 1,025 forward (151 and 787 KB), 197 backward (q, k, v, dout, out: 252 KB).
+// The rows of one tensor read ahead: n rows of D elements, the first at `first`, st apart.
+template <typename E>
+struct AheadRows {
+  const E* first;
+  int64_t st, n;
+};
+
+// One core's L2 in bytes (sysconf's, else 512 KiB).
 inline int64_t l2_bytes() {
 #if defined(_SC_LEVEL2_CACHE_SIZE)
   static const int64_t bytes = std::max<int64_t>(sysconf(_SC_LEVEL2_CACHE_SIZE), 0);
@@ -205,15 +202,31 @@ inline int64_t l2_bytes() {
 #endif
   return int64_t(512) << 10;
 }
+
+// Part i of `parts` of reading the rows of `tensors` into L2 ahead of their use, while other work runs:
+// a thread's next small head's rows during this head's routed phase (forward: q, k, v; backward: q,
+// dout, out, k, v), if they fit in L2 together (N = 197 and 1,025 forward: 151 and 787 KB; 197
+// backward: 252 KB). Their first reads came from memory (a head's pooling and phase A took 12% longer
+// with 96 heads than with 8 at N = 197, the data no longer cached). Rows under a page apart (a head's
+// rows its own pages) have part 0 first read a byte of each page: prefetches alone measured no gain
+// (1.003 / 1.007 at N = 197 / 1,025; our reading of a microbenchmark: a prefetch whose page
+// translation is not cached is often dropped on Zen 4). Rows a page apart or more (timm's q, k, v,
+// views of one qkv buffer) lie in pages the head before read too: reading them cost more than it
+// saved (forward 1.04 of the time at N = 1,025, against 0.98 with prefetches alone). Into L2, not
+// L1: with prefetcht0 the forward measured 1.011 against 0.944 at N = 197 (Zen 4).
 template <typename E>
-void read_ahead(const E* first, int64_t st, int64_t n, int64_t D, int64_t i, int64_t parts) {
-  const auto touch = [](const E* p) { (void)*reinterpret_cast<const volatile char*>(p); };
-  if (i == 0 && st * int64_t(sizeof(E)) < 4096) {  // row starts a page apart (st >= D: fused_cpu.cpp), the last row's end
-    const int64_t step = 4096 / (st * int64_t(sizeof(E)));
-    for (int64_t r = 0; r < n; r += step) touch(first + r * st);
-    touch(first + (n - 1) * st + D - 1);
+void read_ahead(std::initializer_list<AheadRows<E>> tensors, int64_t D, int64_t i, int64_t parts) {
+  int64_t bytes = 0;
+  for (const auto& t : tensors) bytes += t.n * D * int64_t(sizeof(E));
+  if (bytes > l2_bytes()) return;
+  for (const auto& [first, st, n] : tensors) {
+    const auto touch = [](const E* p) { (void)*reinterpret_cast<const volatile char*>(p); };
+    if (i == 0 && st * int64_t(sizeof(E)) < 4096) {  // row starts a page apart (st >= D: fused_cpu.cpp), the last row's end
+      for (int64_t r = 0; r < n; r += 4096 / (st * int64_t(sizeof(E)))) touch(first + r * st);
+      touch(first + (n - 1) * st + D - 1);
+    }
+    for (int64_t r = i * n / parts; r < (i + 1) * n / parts; ++r) prefetch_row<E, 2>(first + r * st, D);
   }
-  for (int64_t r = i * n / parts; r < (i + 1) * n / parts; ++r) prefetch_row<E, 2>(first + r * st, D);
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
