@@ -209,7 +209,7 @@ inline int64_t l2_bytes() {
 // backward: 252 KB). Their first reads came from memory (a head's pooling and phase A took 12% longer
 // with 96 heads than with 8 at N = 197, the data no longer cached). Rows under a page apart (a head's
 // rows its own pages) have part 0 first read a byte of each page: prefetches alone measured no gain
-// (1.003 / 1.007 at N = 197 / 1,025; our reading of a microbenchmark: a prefetch whose page
+// (1.003 / 0.991 at N = 197 / 1,025, copies 1.001 / 0.994; our reading of a microbenchmark: a prefetch whose page
 // translation is not cached is often dropped on Zen 4). Rows a page apart or more (timm's q, k, v,
 // views of one qkv buffer) lie in pages the head before read too: reading them cost more than it
 // saved (forward 1.04 of the time at N = 1,025, against 0.98 with prefetches alone). Into L2, not
