@@ -242,10 +242,28 @@ def test_empty_or_corrupt_kernel_is_rebuilt(tmp_path) -> None:
     assert "compiling the fused CPU kernel" in load().stderr
     (so,) = Path(tmp_path / "cache").glob("*/*.so")
     assert "compiling" not in load().stderr  # cached
-    for damage in (b"", b"not an ELF file"):
+    whole = so.read_bytes()
+    for damage in (b"", b"not an ELF file", whole[: len(whole) // 2]):  # empty, garbage, truncated
         so.write_bytes(damage)
         assert "compiling the fused CPU kernel" in load().stderr
         assert so.stat().st_size > 1000
+
+
+def test_other_libraries_in_the_cache_are_never_loaded(tmp_path) -> None:
+    """Only the folder's own build is opened: another library there (as torch's renamed second build,
+    ``name_v1.so``, which registers the operators again) is not loaded, even to check it; a check that
+    loaded it aborted the process ("Only a single TORCH_LIBRARY can be used")."""
+    source = tmp_path / "probe.cpp"
+    source.write_text("int mita_probe() { return 1; }\n")
+    env = {**os.environ, "MITA_CACHE": str(tmp_path / "cache"), "MITA_FUSED": "1"}
+    run = subprocess.run([sys.executable, "-c", CHILD, str(source)], env=env, capture_output=True, text=True)
+    assert run.stdout.strip() == "loaded", run.stderr
+    (so,) = Path(tmp_path / "cache").glob("*/*.so")
+    trap = tmp_path / "trap.cpp"
+    trap.write_text("#include <cstdlib>\n__attribute__((constructor)) static void trap() { std::abort(); }\n")
+    subprocess.run(["c++", "-shared", "-fPIC", str(trap), "-o", str(so.with_name(so.stem + "_v1.so"))], check=True)
+    run = subprocess.run([sys.executable, "-c", CHILD, str(source)], env=env, capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "loaded", run.stderr
 
 
 def test_double_backward_matches_reference() -> None:
@@ -337,6 +355,26 @@ def test_top_k_ties_and_signed_zeros_keep_the_lower_index(dtype) -> None:
         stable = scores.sort(dim=-1, descending=True, stable=True).indices[..., :topk]
         assert torch.equal(r.experts, stable), topk
         assert torch.equal(r.experts[0, 0, 2], torch.arange(topk))  # all +0 / -0: the first keys
+
+
+@pytest.mark.parametrize("levels", [None, 3, 40])
+def test_top_k_matches_a_stable_sort_on_random_scores(levels) -> None:
+    """The selection's bisection (which narrows the keys it counts step by step) against a stable
+    sort, on continuous scores and on scores of few distinct values (ties at the k-th place), short
+    rows (one cut at the end) and long ones (cut as the buffer fills), with negative scores too."""
+    gen = torch.Generator().manual_seed(7)
+    for N, topk in ((197, 25), (197, 1), (197, 196), (1025, 49), (1500, 300), (40, 17)):
+        k = torch.randn(1, 1, N, 4, generator=gen)
+        if levels is not None:
+            k = k.mul(levels / 4).round()
+        landmarks = torch.randn(1, 1, 5, 4, generator=gen)
+        q, v = torch.randn(1, 1, N, 4, generator=gen), torch.randn(1, 1, N, 4, generator=gen)
+        _, r = mita_attention(
+            q, k, v, num_landmarks=5, topk=topk, landmarks=landmarks, impl="fused", return_routing=True
+        )
+        scores = (landmarks @ k.transpose(-1, -2)).add(0.0)  # -0 as +0, as the kernel orders them
+        stable = scores.sort(dim=-1, descending=True, stable=True).indices[..., :topk]
+        assert torch.equal(r.experts, stable), (N, topk)
 
 
 @pytest.mark.parametrize("dim", ["B", "H", "Hkv", "Nq", "Nk", "D", "m"])

@@ -33,7 +33,6 @@ the float32 path unless ``MITA_BF16_PRODUCTS=1`` (see :func:`bf16_products`). fl
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import logging
@@ -201,8 +200,27 @@ def _load() -> str | None:
         return why
 
 
+def _whole_library(so: Path) -> bool:
+    """Whether ``so`` is a whole ELF library, read from its header without loading it (loading runs
+    its static initializers: another build's would register the ``mita`` operators a second time,
+    which aborts the process). The section header table is written last, so a truncated file ends
+    before it; an empty or garbage file has no ELF header. Outside Linux: not empty."""
+    if sys.platform != "linux":
+        return so.stat().st_size > 0
+    head = so.read_bytes()[:64]
+    if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2:  # ELF, 64-bit
+        return False
+    order = "little" if head[5] == 1 else "big"
+    shoff, shentsize, shnum = (int.from_bytes(head[a:b], order) for a, b in ((0x28, 0x30), (0x3A, 0x3C), (0x3C, 0x3E)))
+    return shoff > 0 and shoff + shentsize * shnum <= so.stat().st_size
+
+
 def _build_and_load(build: Path, source: Path) -> None:
-    """torch's JIT build into ``build`` (ninja skips it when the .so is up to date), then load it."""
+    """torch's JIT build into ``build`` (ninja skips it when the .so is up to date), then load it.
+
+    The library is named after the folder (its key): torch renames a second build of one name in a
+    process (``name_v1.so``, e.g. after a failed build elsewhere), and a folder holding two builds of
+    the operators would be a trap for any check that loads them."""
     cuda_note = logging.getLogger("torch.utils.cpp_extension")  # "No CUDA runtime is found": not ours
     level, cuda_note.level = cuda_note.level, logging.ERROR
     try:
@@ -210,29 +228,27 @@ def _build_and_load(build: Path, source: Path) -> None:
     finally:
         cuda_note.setLevel(level)
 
-    for so in build.glob("*.so"):
-        try:  # an empty or corrupt .so (a full disk, a killed copy) looks up to date to ninja: rebuild it
-            ctypes.CDLL(str(so))
-        except OSError:
-            for f in (so, *build.glob("*.o")):
-                f.unlink()
-    before = {so: so.stat().st_mtime_ns for so in build.glob("*.so")}
-    if not before:
+    name = f"mita_fused_{_isa().lower()}_{build.name.rsplit('-', 1)[-1]}"
+    so = build / f"{name}.so"
+    if so.exists() and not _whole_library(so):  # an empty or truncated .so (a full disk, a killed copy)
+        for f in (so, *build.glob("*.o")):  # looks up to date to ninja: rebuild it
+            f.unlink()
+    before = so.stat().st_mtime_ns if so.exists() else None
+    if before is None:
         print(f"mita: compiling the fused CPU kernel once (about 25 s; cached in {build})", file=sys.stderr)
     # torch runs `ninja` from PATH: make this environment's scripts folder (pip's ninja) findable.
     scripts = sysconfig.get_path("scripts")
     if scripts not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
     load(
-        name=f"mita_fused_{_isa().lower()}",
+        name=name,
         sources=[str(source)],
         build_directory=str(build),
         extra_cflags=_cflags(),
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
     )
-    rebuilt = [so for so, t in before.items() if so.exists() and so.stat().st_mtime_ns != t]
-    if rebuilt:
+    if before is not None and so.stat().st_mtime_ns != before:
         print(f"mita: recompiled the fused CPU kernel (its build files had changed; in {build})", file=sys.stderr)
 
 
