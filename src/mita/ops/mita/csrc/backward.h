@@ -214,8 +214,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             };
             rows_as_columns<T, V>(n_e, D, ld, T(1), qrow, Qt);
             rows_as_columns<T, V>(n_e, D, ld, T(1), dorow, dOt);
-            small_gemm<T, V>(kk, ld, D, krow, 1, [&](int64_t d) { return Qt + d * ld; }, Pt, ld);
-            small_gemm<T, V>(kk, ld, D, vrow, 1, [&](int64_t d) { return dOt + d * ld; }, dPt, ld);
+            small_gemm<T, V>(kk, ld, D, krow, 1, [&](int64_t d) { return Qt + d * ld; }, strided(Pt, ld));
+            small_gemm<T, V>(kk, ld, D, vrow, 1, [&](int64_t d) { return dOt + d * ld; }, strided(dPt, ld));
             T lse_l[V::size()], dl_l[V::size()];
             const V vs0(scale);
             for (int64_t i0 = 0; i0 < ld; i0 += V::size()) {  // the queries are the lanes
@@ -231,11 +231,14 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
                 (vs0 * pv * (V::loadu(dPt + j * ld + i0) - dl)).store(dPt + j * ld + i0);
               }
             }
-            small_gemm<T>(n_e, D, kk, [&](int64_t i) { return dPt + i; }, ld, krow, dQb.data(), D);
-            add_dq(mem, n_e);
-            small_gemm<T>(kk, D, n_e, [&](int64_t j) { return dPt + j * ld; }, 1, qrow, dKe.data(), D);
-            small_gemm<T>(kk, D, n_e, [&](int64_t j) { return Pt + j * ld; }, 1, dorow, dVe.data(), D);
-            add_dkv();
+            // The gradients added straight into the head's rows of the expert's queries and keys (distinct
+            // within an expert), as add_dq and add_dkv would after the products.
+            small_gemm<T>(n_e, D, kk, [&](int64_t i) { return dPt + i; }, ld, krow,
+                          [&](int64_t i) { return dQx + (mem[i] / s) * D; }, true);
+            small_gemm<T>(kk, D, n_e, [&](int64_t j) { return dPt + j * ld; }, 1, qrow,
+                          [&](int64_t j) { return dKx + keys[j] * D; }, true);
+            small_gemm<T>(kk, D, n_e, [&](int64_t j) { return Pt + j * ld; }, 1, dorow,
+                          [&](int64_t j) { return dVx + keys[j] * D; }, true);
           };
           if (n_e <= kQueryBlock && n_e * kk * D <= kSmallBackward) {
             with_lanes<T, std::decay_t<decltype(*Kx)>>(n_e, small_expert);

@@ -392,7 +392,7 @@ struct Forward {
       else return Vx + keys[j] * vr.st;
     };
     rows_as_columns<T, V>(nb, D, ld, scale, [&](int64_t i) { return qx(x) + (mem[i] / s) * qr.st; }, Qt);
-    small_gemm<T, V>(kk, ld, D, krow, 1, [&](int64_t d) { return Qt + d * ld; }, St, ld);
+    small_gemm<T, V>(kk, ld, D, krow, 1, [&](int64_t d) { return Qt + d * ld; }, strided(St, ld));
     if (s == 1 && ahead())  // the output rows merge_block updates
       for (int64_t i = 0; i < nb; ++i) prefetch_row(ox(x) + mem[i] * outr.st, D);
     for (int64_t i0 = 0; i0 < ld; i0 += V::size()) {  // the queries are the lanes
@@ -407,7 +407,7 @@ struct Forward {
       for (int64_t j = 0; j < kk; ++j) (V::loadu(St + j * ld + i0) * inv).store(St + j * ld + i0);
       (mx + sum.log()).store(sc.lse.data() + i0);
     }
-    small_gemm<T>(nb, D, kk, [&](int64_t i) { return St + i; }, ld, vrow, sc.Ob.data(), D);
+    small_gemm<T>(nb, D, kk, [&](int64_t i) { return St + i; }, ld, vrow, strided(sc.Ob.data(), D));
   }
 
   // Merges a block of nb routed results (sc.Ob, sc.lse; slots mem) into out (s = 1) or keeps them.

@@ -79,9 +79,9 @@ inline V load_lanes(const In* p, int64_t n) {
 // gathered by index, without copies, in T or (the kernels' half-precision inputs) converted to T
 // as it is loaded. Register tiles of R rows by NV vectors V (Vectorized<T>, or Lanes8),
 // A broadcast.
-template <typename T, typename V, int R, int NV, bool Full, typename AF, typename BF>
-void small_tile(int64_t i0, int64_t j0, int64_t K, int64_t last, const AF& a, int64_t as, const BF& b, T* C,
-                int64_t ldc, bool add) {
+template <typename T, typename V, int R, int NV, bool Full, typename AF, typename BF, typename CF>
+void small_tile(int64_t i0, int64_t j0, int64_t K, int64_t last, const AF& a, int64_t as, const BF& b, const CF& c_row,
+                bool add) {
   // U partial sums over l per output vector, so that a narrow tile (a leftover row) has enough
   // independent multiply-add chains in flight: with one chain each step waits the FMA's latency.
   constexpr int U = Full ? std::max(1, 8 / (R * NV)) : 1;
@@ -115,7 +115,7 @@ void small_tile(int64_t i0, int64_t j0, int64_t K, int64_t last, const AF& a, in
       for (int v = 0; v < NV; ++v) c[0][r][v] = c[0][r][v] + c[u][r][v];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) {
-      T* p = C + (i0 + r) * ldc + j0 + v * V::size();
+      T* p = c_row(i0 + r) + j0 + v * V::size();
       const int64_t n = v == NV - 1 ? last : V::size();
       const V out = add ? c[0][r][v] + V::loadu(p, n) : c[0][r][v];
       out.store(p, n);
@@ -125,13 +125,19 @@ void small_tile(int64_t i0, int64_t j0, int64_t K, int64_t last, const AF& a, in
 // small_tile with `last` fixed where it can be: a tile whose last vector is whole (every product
 // of D = 64, and the lane-padded query columns) has no partial load in its loop, which let the
 // compiler keep the accumulators in registers (measured 4-5% off the forward at N = 197, 1,025).
-template <typename T, typename V, int R, int NV, typename AF, typename BF>
-void small_tile_any(int64_t i0, int64_t j0, int64_t K, int64_t last, const AF& a, int64_t as, const BF& b, T* C,
-                    int64_t ldc, bool add) {
+template <typename T, typename V, int R, int NV, typename AF, typename BF, typename CF>
+void small_tile_any(int64_t i0, int64_t j0, int64_t K, int64_t last, const AF& a, int64_t as, const BF& b, const CF& c,
+                    bool add) {
   if (last == V::size())
-    small_tile<T, V, R, NV, true>(i0, j0, K, last, a, as, b, C, ldc, add);
+    small_tile<T, V, R, NV, true>(i0, j0, K, last, a, as, b, c, add);
   else
-    small_tile<T, V, R, NV, false>(i0, j0, K, last, a, as, b, C, ldc, add);
+    small_tile<T, V, R, NV, false>(i0, j0, K, last, a, as, b, c, add);
+}
+
+// Rows of a matrix C with row stride ldc, as small_gemm's c.
+template <typename T>
+auto strided(T* C, int64_t ldc) {
+  return [C, ldc](int64_t i) { return C + i * ldc; };
 }
 
 // The widest tile, in vectors: a 4 x kTileVectors tile of accumulators, its kTileVectors rows of B and
@@ -144,34 +150,35 @@ constexpr int kTileVectors = 4;
 constexpr int kTileVectors = 3;
 #endif
 
-template <typename T, typename V, int R, typename AF, typename BF>
+template <typename T, typename V, int R, typename AF, typename BF, typename CF>
 void small_rows(int64_t nv, int64_t i0, int64_t j0, int64_t K, int64_t last, const AF& a, int64_t as, const BF& b,
-                T* C, int64_t ldc, bool add) {
+                const CF& c, bool add) {
   switch (nv) {
-    case 1: return small_tile_any<T, V, R, 1>(i0, j0, K, last, a, as, b, C, ldc, add);
-    case 2: return small_tile_any<T, V, R, 2>(i0, j0, K, last, a, as, b, C, ldc, add);
-    case 3: return small_tile_any<T, V, R, 3>(i0, j0, K, last, a, as, b, C, ldc, add);
+    case 1: return small_tile_any<T, V, R, 1>(i0, j0, K, last, a, as, b, c, add);
+    case 2: return small_tile_any<T, V, R, 2>(i0, j0, K, last, a, as, b, c, add);
+    case 3: return small_tile_any<T, V, R, 3>(i0, j0, K, last, a, as, b, c, add);
     default:
-      if constexpr (kTileVectors >= 4) return small_tile_any<T, V, R, 4>(i0, j0, K, last, a, as, b, C, ldc, add);
+      if constexpr (kTileVectors >= 4) return small_tile_any<T, V, R, 4>(i0, j0, K, last, a, as, b, c, add);
   }
 }
 
-// C (M x N) = A B (+ C when `add`) by register tiles of vectors V (Lanes8: floats).
-template <typename T, typename V = Vectorized<T>, typename AF, typename BF>
-void small_gemm(int64_t M, int64_t N, int64_t K, const AF& a, int64_t as, const BF& b, T* C, int64_t ldc,
-                bool add = false) {
+// C (M x N) = A B (+ C when `add`) by register tiles of vectors V (Lanes8: floats); c(i) points to
+// row i of C (rows in place or by index: a small expert's gradients added into the rows of its keys
+// and queries, whose indices within an expert are distinct).
+template <typename T, typename V = Vectorized<T>, typename AF, typename BF, typename CF>
+void small_gemm(int64_t M, int64_t N, int64_t K, const AF& a, int64_t as, const BF& b, const CF& c, bool add = false) {
   constexpr int64_t W = V::size(), NV = kTileVectors;
   for (int64_t j0 = 0; j0 < N; j0 += NV * W) {
     const int64_t nv = std::min<int64_t>(NV, (N - j0 + W - 1) / W), last = std::min(W, N - j0 - (nv - 1) * W);
     int64_t i0 = 0;
     if (nv == 1)  // one vector a row: 8 rows keep 8 independent multiply-add chains in flight
-      for (; i0 + 8 <= M; i0 += 8) small_tile_any<T, V, 8, 1>(i0, j0, K, last, a, as, b, C, ldc, add);
-    for (; i0 + 4 <= M; i0 += 4) small_rows<T, V, 4>(nv, i0, j0, K, last, a, as, b, C, ldc, add);
+      for (; i0 + 8 <= M; i0 += 8) small_tile_any<T, V, 8, 1>(i0, j0, K, last, a, as, b, c, add);
+    for (; i0 + 4 <= M; i0 += 4) small_rows<T, V, 4>(nv, i0, j0, K, last, a, as, b, c, add);
     if (M - i0 >= 2) {
-      small_rows<T, V, 2>(nv, i0, j0, K, last, a, as, b, C, ldc, add);
+      small_rows<T, V, 2>(nv, i0, j0, K, last, a, as, b, c, add);
       i0 += 2;
     }
-    if (M - i0 == 1) small_rows<T, V, 1>(nv, i0, j0, K, last, a, as, b, C, ldc, add);
+    if (M - i0 == 1) small_rows<T, V, 1>(nv, i0, j0, K, last, a, as, b, c, add);
   }
 }
 
