@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -228,17 +229,23 @@ print("loaded" if fused._load() is None else "failed")
 """
 
 
-def test_empty_or_corrupt_kernel_is_rebuilt(tmp_path) -> None:
-    """A zero-byte or garbage .so in the cache is rebuilt (a stand-in source, for speed), with a message."""
+def _probe_loader(tmp_path: Path) -> Callable[[], subprocess.CompletedProcess]:
+    """A fresh process that loads a stand-in kernel source (for speed) through a cache in tmp_path."""
     source = tmp_path / "probe.cpp"
     source.write_text("int mita_probe() { return 1; }\n")
     env = {**os.environ, "MITA_CACHE": str(tmp_path / "cache"), "MITA_FUSED": "1"}
 
     def load() -> subprocess.CompletedProcess:
         run = subprocess.run([sys.executable, "-c", CHILD, str(source)], env=env, capture_output=True, text=True)
-        assert run.stdout.strip() == "loaded", run.stderr
+        assert run.returncode == 0 and run.stdout.strip() == "loaded", run.stderr
         return run
 
+    return load
+
+
+def test_empty_or_corrupt_kernel_is_rebuilt(tmp_path) -> None:
+    """A zero-byte, garbage or truncated .so in the cache is rebuilt, with a message."""
+    load = _probe_loader(tmp_path)
     assert "compiling the fused CPU kernel" in load().stderr
     (so,) = Path(tmp_path / "cache").glob("*/*.so")
     assert "compiling" not in load().stderr  # cached
@@ -253,17 +260,13 @@ def test_other_libraries_in_the_cache_are_never_loaded(tmp_path) -> None:
     """Only the folder's own build is opened: another library there (as torch's renamed second build,
     ``name_v1.so``, which registers the operators again) is not loaded, even to check it; a check that
     loaded it aborted the process ("Only a single TORCH_LIBRARY can be used")."""
-    source = tmp_path / "probe.cpp"
-    source.write_text("int mita_probe() { return 1; }\n")
-    env = {**os.environ, "MITA_CACHE": str(tmp_path / "cache"), "MITA_FUSED": "1"}
-    run = subprocess.run([sys.executable, "-c", CHILD, str(source)], env=env, capture_output=True, text=True)
-    assert run.stdout.strip() == "loaded", run.stderr
+    load = _probe_loader(tmp_path)
+    load()
     (so,) = Path(tmp_path / "cache").glob("*/*.so")
     trap = tmp_path / "trap.cpp"
     trap.write_text("#include <cstdlib>\n__attribute__((constructor)) static void trap() { std::abort(); }\n")
     subprocess.run(["c++", "-shared", "-fPIC", str(trap), "-o", str(so.with_name(so.stem + "_v1.so"))], check=True)
-    run = subprocess.run([sys.executable, "-c", CHILD, str(source)], env=env, capture_output=True, text=True)
-    assert run.returncode == 0 and run.stdout.strip() == "loaded", run.stderr
+    load()  # (asserts the process lived and loaded its own build)
 
 
 def test_double_backward_matches_reference() -> None:
@@ -359,9 +362,9 @@ def test_top_k_ties_and_signed_zeros_keep_the_lower_index(dtype) -> None:
 
 @pytest.mark.parametrize("levels", [None, 3, 40])
 def test_top_k_matches_a_stable_sort_on_random_scores(levels) -> None:
-    """The selection's bisection (which narrows the keys it counts step by step) against a stable
-    sort, on continuous scores and on scores of few distinct values (ties at the k-th place), short
-    rows (one cut at the end) and long ones (cut as the buffer fills), with negative scores too."""
+    """The selection (bisection on the keys' bits, then ranking by counts) against a stable sort, on
+    keys of continuous values and of few distinct values (equal rows: exact ties at the k-th place),
+    short rows (one cut at the end) and long ones (cut as the buffer fills), negative scores too."""
     gen = torch.Generator().manual_seed(7)
     for N, topk in ((197, 25), (197, 1), (197, 196), (1025, 49), (1500, 300), (40, 17)):
         k = torch.randn(1, 1, N, 4, generator=gen)
