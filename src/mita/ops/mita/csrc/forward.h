@@ -200,9 +200,9 @@ struct Forward {
         const auto transpose_rows = [&](int64_t i0, bool back) {
           for (int64_t c0 = 0; c0 < ld; c0 += W) {
             V r[V::size()];
-            for (int w = 0; w < W; ++w) r[w] = V::loadu(back ? col + (c0 + w) * W : G + (i0 + w) * ld + c0);
+            MITA_UNROLL for (int w = 0; w < W; ++w) r[w] = V::loadu(back ? col + (c0 + w) * W : G + (i0 + w) * ld + c0);
             transpose_block(r);
-            for (int w = 0; w < W; ++w) r[w].store(back ? G + (i0 + w) * ld + c0 : col + (c0 + w) * W);
+            MITA_UNROLL for (int w = 0; w < W; ++w) r[w].store(back ? G + (i0 + w) * ld + c0 : col + (c0 + w) * W);
           }
         };
         for (int64_t i0 = 0; i0 < nq; i0 += W) {  // (rows past nq are scratch: G holds kQueryBlock rows)

@@ -87,34 +87,34 @@ void small_tile(int64_t i0, int64_t j0, int64_t K, int64_t last, const AF& a, in
   constexpr int U = Full ? std::max(1, 8 / (R * NV)) : 1;
   V c[U][R][NV];
   decltype(a(i0)) ap[R];
-  for (int r = 0; r < R; ++r) ap[r] = a(i0 + r);
-  for (int u = 0; u < U; ++u)
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < NV; ++v) c[u][r][v] = V(T(0));
+  MITA_UNROLL for (int r = 0; r < R; ++r) ap[r] = a(i0 + r);
+  MITA_UNROLL for (int u = 0; u < U; ++u)
+    MITA_UNROLL for (int r = 0; r < R; ++r)
+      MITA_UNROLL for (int v = 0; v < NV; ++v) c[u][r][v] = V(T(0));
   int64_t l = 0;
   for (; l + U <= K; l += U)
-    for (int u = 0; u < U; ++u) {
+    MITA_UNROLL for (int u = 0; u < U; ++u) {
       const auto* row = b(l + u) + j0;
       V bv[NV];
-      for (int v = 0; v < NV; ++v)
+      MITA_UNROLL for (int v = 0; v < NV; ++v)
         bv[v] = load_lanes<T, V>(row + v * V::size(), !Full && v == NV - 1 ? last : V::size());
-      for (int r = 0; r < R; ++r) {
+      MITA_UNROLL for (int r = 0; r < R; ++r) {
         const V av(static_cast<T>(ap[r][(l + u) * as]));
-        for (int v = 0; v < NV; ++v) c[u][r][v] = madd(av, bv[v], c[u][r][v]);
+        MITA_UNROLL for (int v = 0; v < NV; ++v) c[u][r][v] = madd(av, bv[v], c[u][r][v]);
       }
     }
   for (; l < K; ++l) {  // the last K % U steps (U > 1 only where the last vector is whole)
     const auto* row = b(l) + j0;
-    for (int r = 0; r < R; ++r) {
+    MITA_UNROLL for (int r = 0; r < R; ++r) {
       const V av(static_cast<T>(ap[r][l * as]));
-      for (int v = 0; v < NV; ++v) c[0][r][v] = madd(av, load_lanes<T, V>(row + v * V::size(), V::size()), c[0][r][v]);
+      MITA_UNROLL for (int v = 0; v < NV; ++v) c[0][r][v] = madd(av, load_lanes<T, V>(row + v * V::size(), V::size()), c[0][r][v]);
     }
   }
-  for (int u = 1; u < U; ++u)
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < NV; ++v) c[0][r][v] = c[0][r][v] + c[u][r][v];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) {
+  MITA_UNROLL for (int u = 1; u < U; ++u)
+    MITA_UNROLL for (int r = 0; r < R; ++r)
+      MITA_UNROLL for (int v = 0; v < NV; ++v) c[0][r][v] = c[0][r][v] + c[u][r][v];
+  MITA_UNROLL for (int r = 0; r < R; ++r)
+    MITA_UNROLL for (int v = 0; v < NV; ++v) {
       T* p = c_row(i0 + r) + j0 + v * V::size();
       const int64_t n = v == NV - 1 ? last : V::size();
       const V out = add ? c[0][r][v] + V::loadu(p, n) : c[0][r][v];
@@ -251,9 +251,10 @@ inline void transpose_block(Vectorized<float> r[16]) {
   static constexpr std::array<std::array<int32_t, 16>, 8> idx = {table(8, false), table(8, true), table(4, false),
                                                                   table(4, true),  table(2, false), table(2, true),
                                                                   table(1, false), table(1, true)};
-  for (int s = 0, b = 8; b >= 1; ++s, b /= 2) {
+  MITA_UNROLL for (int s = 0; s < 4; ++s) {
+    const int b = 8 >> s;
     const __m512i lo = _mm512_loadu_si512(idx[2 * s].data()), hi = _mm512_loadu_si512(idx[2 * s + 1].data());
-    for (int i = 0; i < 16; ++i)
+    MITA_UNROLL for (int i = 0; i < 16; ++i)
       if (!(i & b)) {
         const __m512 a = r[i], c = r[i + b];
         r[i] = _mm512_permutex2var_ps(a, lo, c);
@@ -300,14 +301,19 @@ void rows_as_columns(int64_t nb, int64_t D, int64_t ld, T scale, const RF& row, 
     const V vs(scale);
     for (int64_t i0 = 0; i0 < ld; i0 += W) {
       decltype(row(0)) rp[W];
-      for (int i = 0; i < W; ++i) rp[i] = i0 + i < nb ? row(i0 + i) : nullptr;
+      MITA_UNROLL for (int i = 0; i < W; ++i) rp[i] = i0 + i < nb ? row(i0 + i) : nullptr;
       for (int64_t d0 = 0; d0 < D; d0 += W) {
         const int64_t n = std::min<int64_t>(W, D - d0);
         V r[W];
-        for (int i = 0; i < W; ++i)
+        MITA_UNROLL for (int i = 0; i < W; ++i)
           r[i] = rp[i] ? load_lanes<T, V>(rp[i] + d0, n) * vs : V(0.f);
         transpose_block(r);
-        for (int c = 0; c < n; ++c) r[c].store(Qt + (d0 + c) * ld + i0);
+        // A whole block's stores apart from a partial one's: GCC turned the one loop of both into
+        // a copy of r through the stack (`rep movsq`, a sixth of the routed phase at N = 197).
+        if (n == W)
+          MITA_UNROLL for (int c = 0; c < W; ++c) r[c].store(Qt + (d0 + c) * ld + i0);
+        else
+          for (int c = 0; c < n; ++c) r[c].store(Qt + (d0 + c) * ld + i0);
       }
     }
     return;
@@ -331,12 +337,16 @@ inline void transpose_into(const float* X, int64_t rows, int64_t cols, int64_t l
     for (int64_t i0 = 0; i0 < cols; i0 += W) {
       const int64_t nc = std::min<int64_t>(W, cols - i0);
       V r[W];
-      for (int w = 0; w < W; ++w) r[w] = w < nr ? V::loadu(X + (j0 + w) * ldx + i0, nc) : V(0.f);
+      MITA_UNROLL for (int w = 0; w < W; ++w) r[w] = w < nr ? V::loadu(X + (j0 + w) * ldx + i0, nc) : V(0.f);
       transpose_block(r);
-      for (int c = 0; c < nc; ++c) {
+      const auto put = [&](int c) {
         float* out = C + (i0 + c) * ldc + j0;
         (add ? r[c] + V::loadu(out, nr) : r[c]).store(out, nr);
-      }
+      };
+      if (nc == W)
+        MITA_UNROLL for (int c = 0; c < W; ++c) put(c);
+      else
+        for (int c = 0; c < nc; ++c) put(c);
     }
   }
 }
@@ -418,13 +428,16 @@ void vnni_from_columns(int64_t K, int64_t N, const CF& col, bf16* out) {
   for (int64_t n0 = 0; n0 < N; n0 += W) {
     const int64_t nn = std::min<int64_t>(W, N - n0);
     const float* c[W];
-    for (int i = 0; i < W; ++i) c[i] = i < nn ? reinterpret_cast<const float*>(col(n0 + i)) : nullptr;
+    MITA_UNROLL for (int i = 0; i < W; ++i) c[i] = i < nn ? reinterpret_cast<const float*>(col(n0 + i)) : nullptr;
     for (int64_t p0 = 0; p0 < words; p0 += W) {
       const int64_t np = std::min<int64_t>(W, words - p0);
       V r[W];
-      for (int i = 0; i < W; ++i) r[i] = c[i] ? V::loadu(c[i] + p0, np) : V(0.f);
+      MITA_UNROLL for (int i = 0; i < W; ++i) r[i] = c[i] ? V::loadu(c[i] + p0, np) : V(0.f);
       transpose_block(r);
-      for (int j = 0; j < np; ++j) r[j].store(o + (p0 + j) * N + n0, nn);
+      if (np == W)
+        MITA_UNROLL for (int j = 0; j < W; ++j) r[j].store(o + (p0 + j) * N + n0, nn);
+      else
+        for (int j = 0; j < np; ++j) r[j].store(o + (p0 + j) * N + n0, nn);
     }
   }
 }
