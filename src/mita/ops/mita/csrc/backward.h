@@ -115,16 +115,22 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             }
           }
         };
-        if constexpr (conv && bf)
-          if (use_bf) {
-            rows_to_bf16(Lx, m, D, D, Lb.data(), D);
-            vnni_from_columns(D, m, [&](int64_t i) { return static_cast<const bf16*>(Lb.data() + i * D); }, Lp.data());
-          }
+        // (`if constexpr (bf)` first, apart: with the lambda's own `conv` in one condition with it, the
+        // condition stayed dependent and clang checked these calls for doubles, an error.)
+        if constexpr (bf) {
+          if constexpr (conv)
+            if (use_bf) {
+              rows_to_bf16(Lx, m, D, D, Lb.data(), D);
+              vnni_from_columns(D, m, [&](int64_t i) { return static_cast<const bf16*>(Lb.data() + i * D); }, Lp.data());
+            }
+        }
         // S = A L^T (n x m, row stride ldm) for n rows of A (lda apart; rows in place, and A0 the same
         // rows as T): bfloat16 products or float32.
         const auto landmark_scores = [&](const auto* A, int64_t lda, const T* A0, int64_t lda0, int64_t n, T* S) {
-          if constexpr (conv && bf)
-            if (use_bf) return gemm_bf16(n, m, D, A, lda, Lp.data(), false, S, ldm);
+          if constexpr (bf) {
+            if constexpr (conv)
+              if (use_bf) return gemm_bf16(n, m, D, A, lda, Lp.data(), false, S, ldm);
+          }
           gemm<T>(false, true, n, m, D, A0, lda0, Lx, D, false, S, ldm);
         };
         for (int64_t t0 = 0; t0 < Nq; t0 += kQueryBlock) {
@@ -250,11 +256,13 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           }
           std::fill(dKe.begin(), dKe.end(), T(0));
           std::fill(dVe.begin(), dVe.end(), T(0));
-          if constexpr (conv && bf)
-            if (use_bf) {
-              vnni_from_columns(D, kk, [&](int64_t j) { return Kx + keys[j] * ks; }, Kp.data());
-              vnni_from_columns(D, kk, [&](int64_t j) { return Vx + keys[j] * vs; }, Vp.data());
-            }
+          if constexpr (bf) {
+            if constexpr (conv)
+              if (use_bf) {
+                vnni_from_columns(D, kk, [&](int64_t j) { return Kx + keys[j] * ks; }, Kp.data());
+                vnni_from_columns(D, kk, [&](int64_t j) { return Vx + keys[j] * vs; }, Vp.data());
+              }
+          }
           for (int64_t i0 = 0; i0 < n_e; i0 += kQueryBlock) {
             const int64_t nb = std::min(kQueryBlock, n_e - i0);
             for (int64_t i = 0; i < nb; ++i) {
@@ -263,16 +271,18 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
               to_compute(dOx + t * dos, dOb.data() + i * D, D);
             }
             bool done = false;  // (by bfloat16 products)
-            if constexpr (conv && bf)
-              if ((done = use_bf)) {
-                for (int64_t i = 0; i < nb; ++i) {
-                  const int64_t t = mem[i0 + i] / s;
-                  std::copy(Qx + t * qs, Qx + t * qs + D, Qh.data() + i * D);
-                  std::copy(dOx + t * dos, dOx + t * dos + D, dOh.data() + i * D);
+            if constexpr (bf) {
+              if constexpr (conv)
+                if ((done = use_bf)) {
+                  for (int64_t i = 0; i < nb; ++i) {
+                    const int64_t t = mem[i0 + i] / s;
+                    std::copy(Qx + t * qs, Qx + t * qs + D, Qh.data() + i * D);
+                    std::copy(dOx + t * dos, dOx + t * dos + D, dOh.data() + i * D);
+                  }
+                  gemm_bf16(nb, kk, D, Qh.data(), D, Kp.data(), false, P.data(), kk);
+                  gemm_bf16(nb, kk, D, dOh.data(), D, Vp.data(), false, dP.data(), kk);
                 }
-                gemm_bf16(nb, kk, D, Qh.data(), D, Kp.data(), false, P.data(), kk);
-                gemm_bf16(nb, kk, D, dOh.data(), D, Vp.data(), false, dP.data(), kk);
-              }
+            }
             if (!done) {
               gemm<T>(false, true, nb, kk, D, Qb.data(), D, Ke.data(), D, false, P.data(), kk);
               gemm<T>(false, true, nb, kk, D, dOb.data(), D, Ve.data(), D, false, dP.data(), kk);

@@ -310,10 +310,11 @@ void rows_as_columns(int64_t nb, int64_t D, int64_t ld, T scale, const RF& row, 
         transpose_block(r);
         // A whole block's stores apart from a partial one's: GCC turned the one loop of both into
         // a copy of r through the stack (`rep movsq`, a sixth of the routed phase at N = 197).
-        if (n == W)
+        if (n == W) {
           MITA_UNROLL for (int c = 0; c < W; ++c) r[c].store(Qt + (d0 + c) * ld + i0);
-        else
+        } else {
           for (int c = 0; c < n; ++c) r[c].store(Qt + (d0 + c) * ld + i0);
+        }
       }
     }
     return;
@@ -343,10 +344,11 @@ inline void transpose_into(const float* X, int64_t rows, int64_t cols, int64_t l
         float* out = C + (i0 + c) * ldc + j0;
         (add ? r[c] + V::loadu(out, nr) : r[c]).store(out, nr);
       };
-      if (nc == W)
+      if (nc == W) {
         MITA_UNROLL for (int c = 0; c < W; ++c) put(c);
-      else
+      } else {
         for (int c = 0; c < nc; ++c) put(c);
+      }
     }
   }
 }
@@ -434,10 +436,11 @@ void vnni_from_columns(int64_t K, int64_t N, const CF& col, bf16* out) {
       V r[W];
       MITA_UNROLL for (int i = 0; i < W; ++i) r[i] = c[i] ? V::loadu(c[i] + p0, np) : V(0.f);
       transpose_block(r);
-      if (np == W)
+      if (np == W) {
         MITA_UNROLL for (int j = 0; j < W; ++j) r[j].store(o + (p0 + j) * N + n0, nn);
-      else
+      } else {
         for (int j = 0; j < np; ++j) r[j].store(o + (p0 + j) * N + n0, nn);
+      }
     }
   }
 }
