@@ -204,10 +204,10 @@ def test_build_files_hold_no_checkout_path(kernel) -> None:
 
 
 @pytest.mark.parametrize("isa", ["DEFAULT", "AVX2", "AVX512"])
-def test_sources_compile_with_clang(isa) -> None:
-    """The kernel passes clang's checks (zig's bundled clang, syntax only), as macOS and CC=clang
-    builds need: clang checks calls in templates that GCC leaves unchecked, and a bfloat16 call
-    for doubles in a discarded branch once failed every clang build."""
+def test_sources_compile_with_clang(isa, tmp_path) -> None:
+    """The kernel compiles with clang (zig's bundled clang, -O0), as macOS and CC=clang builds
+    need: clang checks calls in templates that GCC leaves unchecked, and a bfloat16 call for
+    doubles in a discarded branch once failed every clang build."""
     pytest.importorskip("ziglang")
     from torch.utils.cpp_extension import include_paths
 
@@ -215,15 +215,14 @@ def test_sources_compile_with_clang(isa) -> None:
     if isa == "AVX512":  # with the bfloat16 products compiled in
         defines += ["-DMITA_BF16_PRODUCTS", "-mavx512bf16"]
     includes = [f"-I{p}" for p in include_paths()]
-    cmd = [sys.executable, "-m", "ziglang", "c++", "-std=c++20", "-fsyntax-only", "-Wno-unused-command-line-argument"]
+    cmd = [sys.executable, "-m", "ziglang", "c++", "-std=c++20", "-O0", "-c", "-o", str(tmp_path / "kernel.o")]
     done = subprocess.run(
         [*cmd, *fused._ISA_FLAGS.get(isa, []), *defines, *includes, str(fused.SOURCE)],
         capture_output=True,
         text=True,
         timeout=600,
     )
-    errors = [line for line in done.stderr.splitlines() if "error:" in line and "failed to rename" not in line]
-    assert not errors, "\n".join(errors[:10])
+    assert done.returncode == 0 and (tmp_path / "kernel.o").stat().st_size > 0, done.stderr[-4000:]
 
 
 @pytest.mark.parametrize("fault", ["world-writable", "foreign"])
