@@ -146,3 +146,18 @@ def test_null_in_a_message_is_a_value_set_accepts(tmp_path, capsys):
 
     train = {"steps": 2, "batch_size": 2, "lr": 1e-3, "grad_clip": options.parse_value("null")}
     assert check_train(train)["grad_clip"] is None
+
+
+def test_memory_setup_names_the_allocator_settings(monkeypatch):
+    """Benchmarks record the allocator settings that move CPU timings (fresh pages per call)."""
+    from mita_experiments.utils import machine
+
+    for name in machine.MEMORY_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert machine.memory_setup().startswith("default allocator")
+    monkeypatch.setenv("LD_PRELOAD", "/opt/lib/libjemalloc.so.2:/usr/lib/libfoo.so")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=4294967296")
+    line = machine.memory_setup()
+    assert line.startswith("LD_PRELOAD=libjemalloc.so.2 libfoo.so, GLIBC_TUNABLES=glibc.malloc.trim_threshold=")
+    assert "/opt/lib" not in line and "default" not in line
+    assert machine.machine_info()["memory"] == line and line in machine.describe()

@@ -547,7 +547,7 @@ def _write_reports(rows: Sequence[Row], out_dir: Path, baseline: str, *, plots: 
         "# mita bench",
         "",
         f"Machine: {info['cpu_model']}, {info['usable_cpus']} usable CPUs, {info['torch_threads']} torch threads, "
-        f"torch {info['torch']}{gpu}, device {info['device']}.",
+        f"torch {info['torch']}{gpu}, device {info['device']}, memory: {info.get('memory', 'not recorded')}.",
         "",
         *(f"- `{s['command']}` (started {s['started_utc']}, load average {s['load_average']})" for s in sessions),
         "",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["describe", "machine_info"]
+__all__ = ["describe", "machine_info", "memory_setup"]
 
 
 def _cpu_model() -> str:
@@ -19,6 +19,36 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+# Process settings that move CPU timings: the allocator (glibc's heap trimming and mmap threshold, a
+# preloaded jemalloc or tcmalloc) decides whether each call's outputs are fresh pages, which on a VM
+# cost 1-2 us per 4 KiB page (docs/performance.md, "Fresh memory").
+MEMORY_ENV = (
+    "LD_PRELOAD",
+    "GLIBC_TUNABLES",
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_CONF",
+    "THP_MEM_ALLOC_ENABLE",
+)
+
+
+def memory_setup() -> str:
+    """This process's allocator settings (``MEMORY_ENV``; preloaded libraries by file name) and the
+    transparent huge pages mode, as one line; ``default allocator`` when none is set."""
+    settings = []
+    for name in MEMORY_ENV:
+        if value := os.environ.get(name):
+            if name == "LD_PRELOAD":
+                value = " ".join(Path(lib).name for lib in value.replace(":", " ").split())
+            settings.append(f"{name}={value}")
+    try:
+        modes = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().split()
+        thp = [f"THP {mode.strip('[]')}" for mode in modes if mode.startswith("[")]
+    except OSError:
+        thp = []
+    return ", ".join([*(settings or ["default allocator"]), *thp])
 
 
 def machine_info(device: str = "cpu") -> dict[str, object]:
@@ -33,6 +63,7 @@ def machine_info(device: str = "cpu") -> dict[str, object]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "memory": memory_setup(),
         "device": device,
         "cuda_device": torch.cuda.get_device_name(device) if cuda else None,
         "cuda_version": torch.version.cuda if cuda else None,
@@ -45,5 +76,6 @@ def describe(info: dict[str, object] | None = None) -> str:
     gpu = f", {info['cuda_device']} (CUDA {info['cuda_version']})" if info.get("cuda_device") else ""
     return (
         f"{info['cpu_model']} ({info['usable_cpus']} usable CPUs), {info['torch_threads']} torch threads, "
-        f"Python {info['python']}, torch {info['torch']}, {info['platform']}{gpu}"
+        f"Python {info['python']}, torch {info['torch']}, {info['platform']}, "
+        f"{info.get('memory', 'memory not recorded')}{gpu}"
     )
