@@ -28,13 +28,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """``mita seg eval``: mIoU of a checkpoint on ADE20K's validation split, optionally with another attention."""
-    from ..utils.distributed import init_distributed
+    from ..utils.distributed import distributed
     from ..utils.files import atomic_write_text, check_output_file
     from .train import evaluate
 
     out = check_output_file(args.out, force=args.force) if args.out else None
-    ctx = init_distributed(args.device)
-    result = evaluate(args, ctx)
+    with distributed(args.device) as ctx:
+        result = evaluate(args, ctx)
     if ctx.main:
         text = json.dumps(result, indent=2)
         print(text)

@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def options(args: argparse.Namespace) -> dict[str, Any]:
     """The keyword arguments of :func:`~mita_experiments.trainer.train` that :func:`add_arguments` gives
-    (all but ``ctx``: pass ``init_distributed(args.device)``)."""
+    (all but ``ctx``: pass the one ``distributed(args.device)`` gives)."""
     return {
         "resume": args.resume,
         "force": args.force,
@@ -108,10 +108,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def run_train(args: argparse.Namespace, train: Callable[..., Mapping[str, Any]], config: Any, data: Any) -> int:
     """``train(config, data, args.out, args.attention, ctx=..., **options(args))`` on this process (under
     torchrun: its rank of a DDP run); the main process prints the summary as JSON."""
-    from ..utils.distributed import init_distributed
+    from ..utils.distributed import distributed
 
-    ctx = init_distributed(args.device)
-    summary = train(config, data, args.out, args.attention, ctx=ctx, **options(args))
+    with distributed(args.device) as ctx:
+        summary = train(config, data, args.out, args.attention, ctx=ctx, **options(args))
     if ctx.main:
         print(json.dumps(summary, indent=2))
     return 0
@@ -136,14 +136,19 @@ def run_eval(args: argparse.Namespace, evaluate: Callable[..., dict[str, Any]]) 
     """Run an ``eval`` command: --out and --option are checked first, then ``evaluate(args.checkpoint,
     attention=, options=, split=, batch_size=, ctx=)`` runs on this process. The main process prints the
     result as JSON (and writes it to --out) and returns it; the other ranks return None."""
-    from ..utils.distributed import init_distributed
+    from ..utils.distributed import distributed
 
     out = check_output_file(args.out, force=args.force) if args.out else None
     opts = parse_assignments(args.option, "--option")
-    ctx = init_distributed(args.device)
-    result = evaluate(
-        args.checkpoint, attention=args.attention, options=opts, split=args.split, batch_size=args.batch_size, ctx=ctx
-    )
+    with distributed(args.device) as ctx:
+        result = evaluate(
+            args.checkpoint,
+            attention=args.attention,
+            options=opts,
+            split=args.split,
+            batch_size=args.batch_size,
+            ctx=ctx,
+        )
     if not ctx.main:
         return None
     text = json.dumps(result, indent=2)
@@ -225,22 +230,16 @@ def run_recipe(
     Returns:
         The trainer's summary, which the main process also prints as JSON.
     """
-    import torch.distributed as dist
-
-    from ..utils.distributed import init_distributed
+    from ..utils.distributed import distributed
     from .loop import train
 
     if args.workers < 0:
         raise ValueError(f"--workers must be >= 0, got {args.workers}")
-    ctx = init_distributed(args.device)
-    try:
+    with distributed(args.device) as ctx:
         task, config = training(made, Path(args.data), args.workers, ctx.world)
         summary = train(task, config, args.out, ctx=ctx, **options(args))
         if finish is not None:
             finish(summary, ctx)
-    finally:
-        if ctx.distributed:
-            dist.destroy_process_group()
     if ctx.main:
         print(json.dumps(summary, indent=2))
     return summary
