@@ -479,6 +479,18 @@ def test_half_precision_within_twice_the_reference_error(case: Case, extra: dict
     same (rounded) inputs, within twice the error of the reference in that dtype (as flash-attn
     bounds its kernels by a reference implementation's own error), plus 1e-6 of the largest value.
     Landmarks are given (pooled in float64), so that every run routes alike."""
+    _check_half(case, extra, dtype)
+
+
+def test_bf16_small_heads_with_rows_converted_once() -> None:
+    """bfloat16 products on small heads whose experts hold three times the keys or more (m k >= 3 N):
+    the key and value rows are converted once for the small routed experts (forward.h). Odd sizes, s = 2,
+    a mask. (bfloat16 only, the path being its own; float16's backward, which takes delta from the
+    rounded output, was 2.1-2.8x the reference's dq error at this size, 2-3 float16 ulps.)"""
+    _check_half(Case(N=40, D=36, m=12, k=10, s=2, mask=True), {}, torch.bfloat16)
+
+
+def _check_half(case: Case, extra: dict, dtype: torch.dtype) -> None:
     q, k, v, mask = (t if t is None or t.dtype == torch.bool else t.to(dtype).double() for t in case.inputs())
     grad = torch.randn_like(q).to(dtype).double()
     kwargs = {**case.kwargs(mask), **extra}
