@@ -116,7 +116,7 @@ def distributed(device: str | None = None) -> Iterator[Dist]:
 
     Left open, the group's gloo threads outlived the interpreter: one of them freed a finished
     collective's tensors during shutdown and aborted its rank ("terminate called without an active
-    exception"), about one two-process run in eight on two cores.
+    exception"), one two-process run in 8 to 12 on two cores.
     """
     joined = not dist.is_initialized()
     ctx = init_distributed(device)

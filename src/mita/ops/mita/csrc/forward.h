@@ -46,7 +46,7 @@ struct Forward {
   bool by_head = false;  // run head by head (small heads), its rows in cache
   bool products = false;  // bfloat16 products: kBf16, D even (query rows read in place), oneDNN on
   // Half precision, a small head by bfloat16 products: its key and value rows also in float32 (rows D
-  // apart), read in place by the small routed experts, which converted them expert by expert before.
+  // apart), read in place by the small routed experts; where null, each converts its own kk rows.
   const T *Kf = nullptr, *Vf = nullptr;
 
   // One thread's buffers, sized for phase A on up to `rows` landmark rows (Kb, Vb: a block of
