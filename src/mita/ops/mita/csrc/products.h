@@ -22,6 +22,11 @@ struct Lanes8 {
   static __mmask8 first(int64_t n) { return n >= 8 ? __mmask8(0xff) : __mmask8((1 << n) - 1); }
   static Lanes8 loadu(const float* p) { return _mm256_loadu_ps(p); }
   static Lanes8 loadu(const float* p, int64_t n) { return _mm256_maskz_loadu_ps(first(n), p); }
+  // n <= 8 bfloat16 (a shift) or float16 (F16C) elements as floats, the missing lanes zero.
+  static Lanes8 loadu(const c10::BFloat16* p, int64_t n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_maskz_loadu_epi16(first(n), p)), 16));
+  }
+  static Lanes8 loadu(const c10::Half* p, int64_t n) { return _mm256_cvtph_ps(_mm_maskz_loadu_epi16(first(n), p)); }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   void store(float* p, int64_t n) const { _mm256_mask_storeu_ps(p, first(n), v); }
   Lanes8 operator+(Lanes8 o) const { return _mm256_add_ps(v, o.v); }
@@ -51,11 +56,11 @@ inline Vectorized<T> lanes_max(const Vectorized<T>& a, const Vectorized<T>& b) {
   return at::vec::maximum(a, b);
 }
 // A small expert's n queries as the lanes of vectors V: `body` is called with a V, Lanes8 for up to
-// 8 float rows (In, the rows' type) in an AVX-512 build, else Vectorized<T>.
+// 8 rows of float, bfloat16 or float16 (In, the rows' type) in an AVX-512 build, else Vectorized<T>.
 template <typename T, typename In, typename F>
 void with_lanes(int64_t n, const F& body) {
 #if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<T, float> && std::is_same_v<In, float>)
+  if constexpr (std::is_same_v<T, float> && !std::is_same_v<In, double>)
     if (n <= Lanes8::size()) return body(Lanes8{});
 #endif
   body(Vectorized<T>{});
