@@ -123,6 +123,6 @@ def distributed(device: str | None = None) -> Iterator[Dist]:
     try:
         yield ctx
     finally:
-        if ctx.distributed and joined and dist.is_initialized():
+        if joined and dist.is_initialized():  # (a one-process run joined none)
             gc.collect()
             dist.destroy_process_group()
