@@ -3,7 +3,8 @@
 Each source is built under its own operator namespace (``mitaab0``, ``mitaab1``, ...), the
 outputs and gradients of every version are checked against the first's, then the calls are
 timed in alternating rounds (medians), so that a noisy machine moves every version alike.
-The cases are the issue-11 presets (deit224, deit512) and the standard configuration. A version
+The cases are the issue-11 presets (deit224, deit512), DeiT-S at 384 px (deit384) and at 224 px
+with m = k = 49 (deit224m49), and the standard configuration. A version
 is its fused_cpu.cpp, with the headers it includes (``#include "x.h"``) beside it:
     mkdir -p /tmp/old && git archive HEAD~3 src/mita/ops/mita/csrc | tar -x -C /tmp/old
     python scripts/kernel_ab.py /tmp/old/src/mita/ops/mita/csrc/fused_cpu.cpp \
@@ -36,6 +37,8 @@ from mita.ops.pooling import pool_bins
 # name: (B, H, N, m = k, grid, prefix tokens)
 CASES = {
     "deit224": (16, 6, 197, 25, (14, 14), 1),
+    "deit224m49": (16, 6, 197, 49, (14, 14), 1),  # the same model run with larger m = k
+    "deit384": (8, 6, 577, 25, (24, 24), 1),  # DeiT-S at 384 px
     "standard1024": (1, 8, 1024, 64, None, 0),
     "deit512": (4, 6, 1025, 49, (32, 32), 1),
     "standard4096": (1, 8, 4096, 64, None, 0),
