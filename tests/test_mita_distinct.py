@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from mita import MiTAAttention, attention, mita_attention
-from mita.ops.mita import _auto, fused, merged_by_channels
+from mita.ops.mita import IMPLEMENTATIONS, MiTAConfig, _auto, fused
 from mita.ops.mita.config import check
 from mita.ops.mita.landmarks import distinct_landmarks, key_offsets
 from mita.ops.pooling import check_pooling, pool
+from mita.ops.tiling import zero_padding
 
 IMPLS = ["reference", "grouped"]
 FAST = ["fused"] if fused.available() else []
@@ -27,6 +28,61 @@ def _repeated(B=2, H=2, N=40, D=6, kinds=6, unique=6, seed=0, dtype=torch.float6
     x = base.gather(2, pick[..., None].expand(-1, -1, -1, 3 * D)).clone()
     x[:, :, :unique] += torch.randn(B, H, unique, 3 * D, generator=g, dtype=dtype)
     return tuple(t.contiguous() for t in x.split(D, -1))
+
+
+def merged_by_channels(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cfg: MiTAConfig,
+    landmarks: torch.Tensor | None,
+    impl: str,
+    dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Merged duplicates (``cfg.key_offset``) as a construction on the spec's operator, an independent
+    check of the per-key offset the implementations take.
+
+    Each head becomes a batch element of its own (the copies differ per head), every copy of a key
+    but its group's first is masked, and two extra channels carry log(c) into the logits:
+    q' = [q, 1, -1], k' = [k, log(c)/s0, 0], landmarks' = [q~, 1, 1], v' = [v, 0, 0], so
+    q'.q~' = q.q~ (the gate), q~'.k' = q~.k + log(c)/s0 (the shared expert over every copy, the
+    top-k by its mass) and s0 q'.k' = s0 q.k + log(c) (a kept key weighs as all its copies); the
+    two extra output channels are dropped. Args as the implementations' (q (B, H, Nq, D), k and v
+    (B, Hkv, Nk, D), the checked config, the landmarks or None, the dropout), ``impl`` the one to run
+    on. Returns (out, (landmarks, experts, routes)) as they do.
+    """
+    B, H, Nq, D = q.shape
+    G, Nk = H // k.shape[1], k.shape[2]
+    q, k, v = zero_padding(q, k, v, cfg)
+    if landmarks is None:
+        landmarks = pool(q, cfg.pooling, cfg.query_mask)
+    k, v = (t.repeat_interleave(G, dim=1) for t in (k, v))
+    offset = cfg.key_offset.repeat_interleave(G, dim=1)  # (B, H, Nk): log(c) on each group's first key
+    first = torch.isfinite(offset)
+    one = q.new_ones(B, H, Nq, 1)
+    q2 = torch.cat([q, one, -one], -1)
+    k2 = torch.cat([k, (offset.clamp_min(0) / cfg.scale).to(k.dtype)[..., None], k.new_zeros(B, H, Nk, 1)], -1)
+    v2 = torch.cat([v, v.new_zeros(B, H, Nk, 2)], -1)
+    lm2 = torch.cat([landmarks, landmarks.new_ones(B, H, landmarks.shape[2], 2)], -1)
+    real = torch.ones(B, Nq, dtype=torch.bool, device=q.device) if cfg.query_mask is None else cfg.query_mask
+    q2, k2, v2, lm2 = (t.flatten(0, 1)[:, None] for t in (q2, k2, v2, lm2))
+    folded = check(
+        q2,
+        k2,
+        v2,
+        num_landmarks=cfg.m,
+        topk=cfg.topk,
+        num_routed=cfg.num_routed,
+        key_padding_mask=first.flatten(0, 1),
+        query_padding_mask=real[:, None].expand(B, H, Nq).flatten(0, 1),
+        scale=cfg.scale,
+        landmark_scale=cfg.landmark_scale,
+        landmarks=lm2,
+        branches=cfg.branches,
+        dropout_p=dropout_p,
+    )
+    out, (_, experts, routes) = IMPLEMENTATIONS[impl](q2, k2, v2, folded, landmarks=lm2, dropout_p=dropout_p)
+    return out.view(B, H, Nq, D + 2)[..., :D], (landmarks, experts.view(B, H, cfg.m, -1), routes.view(B, H, Nq, -1))
 
 
 def _layer_pair(**options):
@@ -166,6 +222,76 @@ def test_merge_matches_the_construction_on_the_spec(impl, num_routed, topk, bran
             impl=impl,
         )
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def _merged_calls(dtype: torch.dtype, N: int, D: int, s: int):
+    """q, k, v of repeated tokens in ``dtype`` (as float64 values), 2 kv heads for 4 query heads, a
+    padded tail, and the merged call's options with landmarks fixed (so every dtype routes alike)."""
+    q, k, v = (t.to(dtype).double() for t in _repeated(B=2, H=4, N=N, D=D, kinds=8, unique=N // 6, seed=3))
+    k, v = k[:, ::2].contiguous(), v[:, ::2].contiguous()
+    mask = torch.ones(2, N, dtype=torch.bool)
+    mask[0, N - 5 :] = False
+    kw = dict(num_landmarks=4, topk=min(24, N // 8), num_routed=s, key_padding_mask=mask, merge_duplicates=True)
+    _, routing = mita_attention(q, k, v, **kw, impl="reference", return_routing=True)
+    return (q, k, v), {**kw, "landmarks": routing.landmarks.to(dtype).double()}
+
+
+def _merged_results(inputs, kw, impl: str, dtype: torch.dtype):
+    """(out, dq, dk, dv) of a merged call in ``dtype``, one fixed upstream gradient."""
+    leaves = [t.to(dtype).requires_grad_() for t in inputs]
+    out = mita_attention(*leaves, **{**kw, "landmarks": kw["landmarks"].to(dtype)}, impl=impl)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
+    return (out, *torch.autograd.grad(out, leaves, grad))
+
+
+def _yardstick(N: int) -> str:
+    """The implementation fused results are held to: the reference, or at long N the grouped path."""
+    return "reference" if N < 100 else "grouped"
+
+
+@pytest.mark.skipif(not FAST, reason="the fused kernel is not available")
+@pytest.mark.parametrize("N,D,s", [(40, 6, 2), (1500, 64, 1)])
+def test_fused_takes_the_offsets_in_place(N, D, s):
+    """The kernels add the key offsets themselves (no folded heads, no extra channels): outputs and
+    gradients equal the reference's in float64, with GQA and padded keys, head by head (N = 40) and
+    phase by phase with experts of more queries than a block (N = 1,500, s = 1: about 375 each;
+    against the grouped path, which the tests above hold to the reference: the reference's gathers
+    take 24 s there)."""
+    inputs, kw = _merged_calls(torch.float64, N, D, s)
+    want = _merged_results(inputs, kw, _yardstick(N), torch.float64)
+    got = _merged_results(inputs, kw, "fused", torch.float64)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=name)
+
+
+@pytest.mark.skipif(not FAST, reason="the fused kernel is not available")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N,D", [(40, 6), (1500, 64)])
+def test_fused_merge_in_lower_precision(dtype, N, D):
+    """Merged duplicates in float32 and half precision (bfloat16 products where the CPU has them):
+    outputs and gradients within twice the error of the reference in the same dtype, against float64."""
+    inputs, kw = _merged_calls(dtype, N, D, 2 if N < 100 else 1)
+    exact = _merged_results(inputs, kw, _yardstick(N), torch.float64)
+    baseline = _merged_results(inputs, kw, _yardstick(N), dtype)
+    got = _merged_results(inputs, kw, "fused", dtype)
+    for name, a, b, e in zip(("out", "dq", "dk", "dv"), got, baseline, exact):
+        assert a.dtype == dtype, name
+        bound = 2 * (b.double() - e).abs().max().item() + 1e-6 * e.abs().max().item()
+        assert (a.double() - e).abs().max().item() <= bound, name
+
+
+@pytest.mark.skipif(not FAST, reason="the fused kernel is not available")
+def test_fused_refuses_bad_key_offsets():
+    """The kernels check the offsets: shape (B, Hkv, Nk), the compute dtype, contiguous."""
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    landmarks = torch.randn(1, 2, 4, 8)
+    good = torch.zeros(1, 2, 16)
+    for bad in (torch.zeros(1, 2, 15), good.double(), torch.zeros(1, 16, 2).transpose(1, 2)):
+        with pytest.raises(RuntimeError, match="key_offset must be a contiguous"):
+            torch.ops.mita.fused_forward(q, k, v, landmarks, None, None, 4, 1, 0.3, 0.3, None, None, bad)
+    out = torch.ops.mita.fused_forward(q, k, v, landmarks, None, None, 4, 1, 0.3, 0.3, None, None, good)
+    plain = torch.ops.mita.fused_forward(q, k, v, landmarks, None, None, 4, 1, 0.3, 0.3, None, None)
+    torch.testing.assert_close(out[0], plain[0], rtol=0, atol=0)  # offsets of 0: the spec's operator
 
 
 @pytest.mark.parametrize("impl", [*IMPLS, *FAST])

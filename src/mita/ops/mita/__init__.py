@@ -5,8 +5,8 @@ linear-memory path (any device, autograd); ``fused.py`` runs C++ kernels on CPU
 (forward and backward). :func:`mita_attention` checks the arguments and picks one.
 ``landmarks.py`` holds the two options against repeated tokens (issue 31): distinct landmark
 pooling (given to every implementation as landmarks) and merged duplicate keys (a per-key logit
-offset that the reference and the grouped path take, the fused kernels by a construction on
-their inputs, :func:`merged_by_channels`; the Triton kernels decline it).
+offset that the reference, the grouped path and the fused kernels take; the Triton kernels
+decline it).
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checks import check_dropout
-from ..pooling import check_pooling, pool
-from ..tiling import zero_padding
+from ..pooling import check_pooling
 from . import fused, triton
 from .config import MiTAConfig, check
 from .fused import mita_attention_fused
@@ -37,8 +36,7 @@ IMPLEMENTATIONS = {
 }
 
 
-#: the implementations that take merged duplicate keys: a per-key logit offset ("fused": by
-#: :func:`merged_by_channels`)
+#: the implementations that take merged duplicate keys: a per-key logit offset
 MERGING = ("fused", "grouped", "reference")
 
 
@@ -109,8 +107,8 @@ def mita_attention(
         merge_duplicates (bool): each group of equal (key, value) pairs of a kv head is one key of
             weight c (its copies): experts hold the top-k distinct keys by the shared expert's mass and
             a kept key's logit is raised by log c, so its weight is that of all its copies. Runs on
-            "fused" (by :func:`merged_by_channels`), "grouped" and "reference", not "triton" ("auto"
-            picks "grouped" on CUDA). Default: False.
+            "fused", "grouped" and "reference", not "triton" ("auto" picks "grouped" on CUDA).
+            Default: False.
         return_routing (bool): also return a :class:`MiTARouting`. Default: False.
         impl (str): "fused" (C++ kernels, forward and backward: CPU, no dropout, both branches;
             half precision computed in float32), "triton" (Triton kernels, forward and backward:
@@ -159,10 +157,7 @@ def mita_attention(
                 f"impl={impl!r} cannot run merge_duplicates=True (its kernels take no per-key offset); "
                 f"use impl='auto' or one of {list(MERGING)}"
             )
-        if cfg.key_offset is not None and impl == "fused":  # the kernels take no offset: a construction
-            out, routing = merged_by_channels(q, k, v, cfg, landmarks, impl, dropout_p)
-        else:
-            out, routing = IMPLEMENTATIONS[impl](q, k, v, cfg, landmarks=landmarks, dropout_p=dropout_p)
+        out, routing = IMPLEMENTATIONS[impl](q, k, v, cfg, landmarks=landmarks, dropout_p=dropout_p)
     return (out, MiTARouting(*routing)) if return_routing else out
 
 
@@ -183,60 +178,6 @@ def _auto(q: torch.Tensor, cfg: MiTAConfig, dropout_p: float) -> str:
         return "grouped" if reasons else "triton"
     fast = not fused.not_supported_reasons(q, cfg, dropout_p) and fused.available()
     return "fused" if fast else "grouped"
-
-
-def merged_by_channels(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cfg: MiTAConfig,
-    landmarks: torch.Tensor | None,
-    impl: str,
-    dropout_p: float = 0.0,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Merged duplicates (``cfg.key_offset``) on an implementation that takes no per-key offset.
-
-    Each head becomes a batch element of its own (the copies differ per head), every copy of a key
-    but its group's first is masked, and two extra channels carry log(c) into the logits:
-    q' = [q, 1, -1], k' = [k, log(c)/s0, 0], landmarks' = [q~, 1, 1], v' = [v, 0, 0], so
-    q'.q~' = q.q~ (the gate), q~'.k' = q~.k + log(c)/s0 (the shared expert over every copy, the
-    top-k by its mass) and s0 q'.k' = s0 q.k + log(c) (a kept key weighs as all its copies); the
-    two extra output channels are dropped. Args as the implementations' (q (B, H, Nq, D), k and v
-    (B, Hkv, Nk, D), the checked config, the landmarks or None, the dropout), ``impl`` the one to run
-    on. Returns (out, (landmarks, experts, routes)) as they do.
-    """
-    B, H, Nq, D = q.shape
-    G, Nk = H // k.shape[1], k.shape[2]
-    q, k, v = zero_padding(q, k, v, cfg)
-    if landmarks is None:
-        landmarks = pool(q, cfg.pooling, cfg.query_mask)
-    k, v = (t.repeat_interleave(G, dim=1) for t in (k, v))
-    offset = cfg.key_offset.repeat_interleave(G, dim=1)  # (B, H, Nk): log(c) on each group's first key
-    first = torch.isfinite(offset)
-    one = q.new_ones(B, H, Nq, 1)
-    q2 = torch.cat([q, one, -one], -1)
-    k2 = torch.cat([k, (offset.clamp_min(0) / cfg.scale).to(k.dtype)[..., None], k.new_zeros(B, H, Nk, 1)], -1)
-    v2 = torch.cat([v, v.new_zeros(B, H, Nk, 2)], -1)
-    lm2 = torch.cat([landmarks, landmarks.new_ones(B, H, landmarks.shape[2], 2)], -1)
-    real = torch.ones(B, Nq, dtype=torch.bool, device=q.device) if cfg.query_mask is None else cfg.query_mask
-    q2, k2, v2, lm2 = (t.flatten(0, 1)[:, None] for t in (q2, k2, v2, lm2))
-    folded = check(
-        q2,
-        k2,
-        v2,
-        num_landmarks=cfg.m,
-        topk=cfg.topk,
-        num_routed=cfg.num_routed,
-        key_padding_mask=first.flatten(0, 1),
-        query_padding_mask=real[:, None].expand(B, H, Nq).flatten(0, 1),
-        scale=cfg.scale,
-        landmark_scale=cfg.landmark_scale,
-        landmarks=lm2,
-        branches=cfg.branches,
-        dropout_p=dropout_p,
-    )
-    out, (_, experts, routes) = IMPLEMENTATIONS[impl](q2, k2, v2, folded, landmarks=lm2, dropout_p=dropout_p)
-    return out.view(B, H, Nq, D + 2)[..., :D], (landmarks, experts.view(B, H, cfg.m, -1), routes.view(B, H, Nq, -1))
 
 
 def _autocast(t: object, dtype: torch.dtype) -> object:

@@ -29,6 +29,10 @@ Speed: docs/performance.md, "Half precision" (float32 scratch on AMD Zen 3; bflo
 AMD Zen 4 with AVX512-BF16). The bfloat16 products were run on AVX512-BF16 only; AMX CPUs keep
 the float32 path unless ``MITA_BF16_PRODUCTS=1`` (see :func:`bf16_products`). float16 products
 (brgemm needs AVX512-FP16 there) are not implemented.
+
+Merged duplicate keys (``merge_duplicates=True``) pass their per-key logit offsets (B, Hkv, Nk) to
+both kernels, which add them to the affinities and the routed logits and treat a key with an
+infinite offset as padded in its kv head.
 """
 
 from __future__ import annotations
@@ -253,7 +257,19 @@ def _build_and_load(build: Path, source: Path) -> None:
 
 
 def _fake_forward(
-    q, k, v, landmarks, key_mask, query_mask, topk, num_routed, scale, landmark_scale, offsets=None, tokens=None
+    q,
+    k,
+    v,
+    landmarks,
+    key_mask,
+    query_mask,
+    topk,
+    num_routed,
+    scale,
+    landmark_scale,
+    offsets=None,
+    tokens=None,
+    key_offset=None,
 ):
     """Output shapes without computing, for tracing (``torch.compile``, FakeTensor)."""
     B, H, Nq, D = q.shape
@@ -341,6 +357,7 @@ class _FusedMiTA(torch.autograd.Function):
                 offsets,
                 tokens,
                 None if dpooled is None else dpooled.contiguous(),
+                _key_offset(cfg, q.dtype),
             )
         dq, dk, dv, dl = grads
         return dq, dk, dv, None if pooled_here else dl, None, None
@@ -351,7 +368,18 @@ def _fused_forward(q, k, v, landmarks, cfg: MiTAConfig, bins) -> tuple[torch.Ten
     the landmarks itself by ``bins`` (offsets, tokens) when none are given."""
     offsets, tokens = bins if landmarks is None else (None, None)
     return torch.ops.mita.fused_forward(
-        q, k, v, landmarks, *_masks(cfg), cfg.topk, cfg.num_routed, cfg.scale, cfg.landmark_scale, offsets, tokens
+        q,
+        k,
+        v,
+        landmarks,
+        *_masks(cfg),
+        cfg.topk,
+        cfg.num_routed,
+        cfg.scale,
+        cfg.landmark_scale,
+        offsets,
+        tokens,
+        _key_offset(cfg, q.dtype),
     )
 
 
@@ -366,6 +394,12 @@ def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors, each one passed again (q is k is v) as a view of it: ``torch.compile`` traces an
     autograd.Function only if no tensor is two of its inputs (a view costs no copy)."""
     return [t.view_as(t) if any(t is u for u in tensors[:i]) else t for i, t in enumerate(tensors)]
+
+
+def _key_offset(cfg: MiTAConfig, dtype: torch.dtype) -> torch.Tensor | None:
+    """Merged duplicates' key offsets (B, Hkv, Nk) as the kernels take them (contiguous, in the compute
+    dtype), or None."""
+    return None if cfg.key_offset is None else cfg.key_offset.to(_compute(dtype)).contiguous()
 
 
 def _masks(cfg: MiTAConfig) -> tuple[torch.Tensor | None, torch.Tensor | None]:

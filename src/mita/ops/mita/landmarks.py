@@ -56,10 +56,12 @@ def duplicate_groups(x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple
         raise ValueError(f"mask must be a bool tensor of shape (B, N) = {(B, N)}, got {tuple(mask.shape)} {mask.dtype}")
     real = torch.ones(B, N, dtype=torch.bool, device=x.device) if mask is None else mask
     real = real[:, None, :].expand(B, H, N)
-    xf = x.float().masked_fill(~real[..., None], 0)
+    xf = x.float() if mask is None else x.float().masked_fill(~real[..., None], 0)  # (no copy without padding)
     direction = torch.cos(torch.arange(D, device=x.device, dtype=torch.float32) * 1.3 + 0.5)  # fixed: no RNG drawn
     order = (xf @ direction).masked_fill(~real, float("inf")).argsort(dim=-1, stable=True)
-    xs = xf.gather(2, order[..., None].expand(-1, -1, -1, D))
+    # the rows in that order, by whole rows (a gather with the index expanded over D took 5x as long)
+    rows = (order + torch.arange(B * H, device=x.device).view(B, H, 1) * N).flatten()
+    xs = xf.reshape(B * H * N, D).index_select(0, rows).view(B, H, N, D)
     rs = real.gather(2, order)
     norm = xs.norm(dim=-1)
     close = (xs[..., 1:, :] - xs[..., :-1, :]).norm(dim=-1) <= DUP_TOL * torch.maximum(norm[..., 1:], norm[..., :-1])

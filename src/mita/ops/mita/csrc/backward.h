@@ -19,8 +19,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
                    const at::Tensor& lm, const bool* key_mask, const bool* query_mask, const at::Tensor& experts,
                    const at::Tensor& routes, const at::Tensor& out, const at::Tensor& v_shared,
                    const at::Tensor& lse_a, const at::Tensor& lse_t, double scale_, double landmark_scale_,
-                   Bins bins, const at::Tensor* dl_extra, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
-                   at::Tensor& dl) {
+                   Bins bins, const at::Tensor* dl_extra, const T* offset, at::Tensor& dq, at::Tensor& dk,
+                   at::Tensor& dv, at::Tensor& dl) {
   const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), Nk = k.size(2), m = lm.size(2), G = H / Hkv, X = B * H;
   const int64_t topk = experts.size(3), s = routes.size(3);
@@ -64,9 +64,12 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
     for (int64_t x = begin; x < end; ++x) {
       const int64_t b = x / H;
       const bool* qm = query_mask ? query_mask + b * Nq : nullptr;
-      const bool* km = key_mask ? key_mask + b * Nk : nullptr;
-      const int64_t kk = key_mask ? std::min<int64_t>(topk, std::count(km, km + Nk, true)) : topk;
       const int64_t h = x % H, hkv = h / G;
+      // Merged duplicates: the kv head's key offsets, and its row of the (B, Hkv, Nk) key mask.
+      const T* off = offset ? offset + (b * Hkv + hkv) * Nk : nullptr;
+      const bool* km = key_mask ? key_mask + (offset ? b * Hkv + hkv : b) * Nk : nullptr;
+      const int64_t kk = key_mask ? std::min<int64_t>(topk, std::count(km, km + Nk, true)) : topk;
+      const T inv_scale = T(1) / scale;
       // Part e of m of the next head's q, dout, out, k, v rows read into L2 ahead (read_ahead, products.h).
       const auto read_next = [&, b1 = (x + 1) / H, h1 = (x + 1) % H](int64_t e) {
         if (x + 1 < end)
@@ -162,6 +165,11 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           const T* Vt0 = rows_as(Vx + j0 * vs, nb, D, lv, Vb.data());
           T *Pk = P.data(), *dPk = dP.data();
           landmark_scores(Kx + j0 * ks, ks, Kt0, lk, nb, Pk);
+          if (off)  // as the forward's A + offset / s0 (padded keys and copies are zeroed below)
+            for (int64_t j = 0; j < nb; ++j) {
+              const V o(off[j0 + j] * inv_scale);
+              for (int64_t e = 0; e < ldm; e += V::size()) (V::loadu(Pk + j * ldm + e) + o).store(Pk + j * ldm + e);
+            }
           gemm<T>(false, true, nb, m, D, Vt0, lv, dvs.data(), D, false, dPk, ldm);
           logit_grads(
               Pk, dPk, nb, vs0, [&](int64_t j) { return !km || km[j0 + j]; },
@@ -222,6 +230,11 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             rows_as_columns<T, V>(n_e, D, ld, T(1), dorow, dOt);
             small_gemm<T, V>(kk, ld, D, krow, 1, [&](int64_t d) { return Qt + d * ld; }, strided(Pt, ld));
             small_gemm<T, V>(kk, ld, D, vrow, 1, [&](int64_t d) { return dOt + d * ld; }, strided(dPt, ld));
+            if (off)  // as the forward's routed logits: s0 q.k + offset
+              for (int64_t j = 0; j < kk; ++j) {
+                const V o(off[keys[j]] * inv_scale);
+                for (int64_t i0 = 0; i0 < ld; i0 += V::size()) (V::loadu(Pt + j * ld + i0) + o).store(Pt + j * ld + i0);
+              }
             T lse_l[V::size()], dl_l[V::size()];
             const V vs0(scale);
             for (int64_t i0 = 0; i0 < ld; i0 += V::size()) {  // the queries are the lanes
@@ -290,6 +303,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             for (int64_t i = 0; i < nb; ++i) {
               T *p = P.data() + i * kk, *dp = dP.data() + i * kk;
               const int64_t t = mem[i0 + i] / s;
+              if (off)
+                for (int64_t j = 0; j < kk; ++j) p[j] += off[keys[j]] * inv_scale;
               probs(p, kk, scale, LTx[t]);
               for (int64_t j = 0; j < kk; ++j) dp[j] = scale * p[j] * (dp[j] - delta[t]);
             }

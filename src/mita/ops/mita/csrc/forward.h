@@ -48,6 +48,15 @@ struct Forward {
   // Half precision, a small head by bfloat16 products: its key and value rows also in float32 (rows D
   // apart), read in place by the small routed experts; where null, each converts its own kk rows.
   const T *Kf = nullptr, *Vf = nullptr;
+  // Merged duplicate keys (merge_duplicates): each key's logit offset, (B, Hkv, Nk), -inf on the copies
+  // a group's first key stands for and on padded keys; key_mask is then per kv head (B, Hkv, Nk),
+  // the keys with a finite offset. Null without: key_mask is (B, Nk), one row a batch element.
+  const T* offset = nullptr;
+
+  // Head x's row of the key mask (null: every key real) and its index into n_real.
+  int64_t mask_row(int64_t x) const { return offset ? (x / H) * Hkv + (x % H) / G : x / H; }
+  const bool* keys_real(int64_t x) const { return key_mask ? key_mask + mask_row(x) * Nk : nullptr; }
+  const T* key_offset(int64_t x) const { return offset ? offset + mask_row(x) * Nk : nullptr; }
 
   // One thread's buffers, sized for phase A on up to `rows` landmark rows (Kb, Vb: a block of
   // keys and values converted from half precision, else empty).
@@ -94,11 +103,13 @@ struct Forward {
   // A: shared-expert values and the experts' keys of landmark rows r0 .. r0+nr of head x.
   void experts(int64_t x, int64_t r0, int64_t nr, Scratch& sc) const {
     const T ninf = -std::numeric_limits<T>::infinity();
-    const int64_t kk = std::min(topk, n_real[x / H]);
+    const int64_t kk = std::min(topk, n_real[mask_row(x)]);
     const T* Lx = L + (x * m + r0) * D;
     const In* Kx = kx(x);
     const In* Vx = vx(x);
-    const bool* km = key_mask ? key_mask + (x / H) * Nk : nullptr;
+    const bool* km = keys_real(x);
+    const T* off = key_offset(x);
+    const T inv_scale = T(1) / scale;
     T* acc = VS + (x * m + r0) * D;
     std::fill(acc, acc + nr * D, T(0));
     std::fill(sc.mx.begin(), sc.mx.begin() + nr, ninf);
@@ -131,6 +142,8 @@ struct Forward {
         for (int64_t j = r * nn / nr; j < (r + 1) * nn / nr; ++j) prefetch_row(Kx + (j0 + nb + j) * kr.st, D);
         for (int64_t j = r * nv / nr; j < (r + 1) * nv / nr; ++j) prefetch_row(Vx + (j0 + j) * vr.st, D);
         T* row = S + r * nb;
+        if (off)  // A + offset / s0: the top-k by a group's mass, s0 A + offset in the softmax (-inf: no part)
+          for (int64_t j = 0; j < nb; ++j) row[j] += off[j0 + j] * inv_scale;
         best[r].offer(row, nb, j0, km ? km + j0 : nullptr, sc.block_keys.data());
         if (km)
           for (int64_t j = 0; j < nb; ++j)
@@ -310,8 +323,9 @@ struct Forward {
     const int64_t* st = start + x * (m + 1);
     const int64_t n_e = st[e + 1] - st[e];
     if (n_e == 0) return;
-    const int64_t kk = std::min(topk, n_real[x / H]);
+    const int64_t kk = std::min(topk, n_real[mask_row(x)]);
     const int64_t* keys = E + (x * m + e) * topk;
+    const T* off = key_offset(x);
     const In* Kx = kx(x);
     const In* Vx = vx(x);
     T *Ke = sc.Ke.data(), *Ve = sc.Ve.data(), *Qb = sc.Qb.data(), *Sb = sc.Sb.data(), *Ob = sc.Ob.data();
@@ -348,6 +362,8 @@ struct Forward {
       }
       for (int64_t i = 0; i < nb; ++i) {
         T* row = Sb + i * kk;
+        if (off)  // a kept key weighs as all its copies: s0 q.k + offset
+          for (int64_t j = 0; j < kk; ++j) row[j] += off[keys[j]] / scale;
         const auto [sm, rm] = exp_row(row, kk, scale);
         scale_row(row, kk, T(1) / sm);
         sc.w[i] = sm;
@@ -397,6 +413,11 @@ struct Forward {
     };
     rows_as_columns<T, V>(nb, D, ld, scale, [&](int64_t i) { return qx(x) + (mem[i] / s) * qr.st; }, Qt);
     small_gemm<T, V>(kk, ld, D, krow, 1, [&](int64_t d) { return Qt + d * ld; }, strided(St, ld));
+    if (const T* off = key_offset(x))  // the scores are s0 q.k already: + offset, a kept key as all its copies
+      for (int64_t j = 0; j < kk; ++j) {
+        const V o(off[keys[j]]);
+        for (int64_t i0 = 0; i0 < ld; i0 += V::size()) (V::loadu(St + j * ld + i0) + o).store(St + j * ld + i0);
+      }
     if (s == 1 && ahead())  // the output rows merge_block updates
       for (int64_t i = 0; i < nb; ++i) prefetch_row(ox(x) + mem[i] * outr.st, D);
     for (int64_t i0 = 0; i0 < ld; i0 += V::size()) {  // the queries are the lanes
@@ -471,8 +492,10 @@ struct Forward {
   // head's rows converted into q, k, v first and o rounded into OUT after.
   Forward<T, T> on_rows(const T* q, const T* k, const T* v, T* o) const {
     const Rows dense(D);
-    return {H, Nq, D, Hkv, Nk, m, G, topk, s, scale, lscale, q, k, v, dense, dense, dense, dense, L, bins,
-            key_mask, query_mask, o, VS, LA, LT, LSE, RO, RL, o, E, R, start, members, n_real};
+    Forward<T, T> g{H, Nq, D, Hkv, Nk, m, G, topk, s, scale, lscale, q, k, v, dense, dense, dense, dense, L, bins,
+                    key_mask, query_mask, o, VS, LA, LT, LSE, RO, RL, o, E, R, start, members, n_real};
+    g.offset = offset;
+    return g;
   }
 
   // Part e of m of head x's q, k, v rows read into L2 ahead of its turn (read_ahead, products.h):
@@ -501,7 +524,7 @@ template <typename T, typename In>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& lm, Bins bins,
                   const bool* key_mask, const bool* query_mask, int64_t topk, int64_t s, double scale_,
                   double landmark_scale_, at::Tensor& out, at::Tensor& experts, at::Tensor& routes,
-                  at::Tensor& v_shared, at::Tensor& lse_a, at::Tensor& lse_t) {
+                  at::Tensor& v_shared, at::Tensor& lse_a, at::Tensor& lse_t, const T* offset) {
   const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), Nk = k.size(2), m = lm.size(2), X = B * H;
   const auto opts = lm.options();  // T
@@ -528,10 +551,11 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    lse_shared.data_ptr<T>(), s > 1 ? routed_out.data_ptr<T>() : nullptr,
                    s > 1 ? routed_lse.data_ptr<T>() : nullptr, out.data_ptr<In>(), experts.data_ptr<int64_t>(),
                    routes.data_ptr<int64_t>(), count_t.data_ptr<int64_t>(), members_t.data_ptr<int64_t>(),
-                   std::vector<int64_t>(B, Nk)};
+                   std::vector<int64_t>(offset ? B * Hkv : B, Nk)};
   f.products = Forward<T, In>::kBf16 && D % 2 == 0 && products_allowed();
-  if (key_mask)
-    for (int64_t b = 0; b < B; ++b) f.n_real[b] = std::count(key_mask + b * Nk, key_mask + (b + 1) * Nk, true);
+  f.offset = offset;
+  if (key_mask)  // the real keys of each mask row (a batch element, or a kv head with merged duplicates)
+    for (size_t r = 0; r < f.n_real.size(); ++r) f.n_real[r] = std::count(key_mask + r * Nk, key_mask + (r + 1) * Nk, true);
 
   if (by_head) {
     at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {

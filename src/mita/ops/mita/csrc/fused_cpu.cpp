@@ -102,6 +102,23 @@ Bins bins_data(const std::optional<at::Tensor>& offsets, const std::optional<at:
   return {off, tok};
 }
 
+// Merged duplicate keys (merge_duplicates): the key offsets (B, Hkv, Nk) of the compute dtype, checked,
+// and the mask of the keys that take part, (B, Hkv, Nk): a finite offset (and real in key_mask). Undefined
+// tensors without offsets.
+std::pair<at::Tensor, at::Tensor> offsets_and_mask(const std::optional<at::Tensor>& key_offset,
+                                                   const std::optional<at::Tensor>& key_mask, const at::Tensor& k,
+                                                   at::ScalarType ct) {
+  if (!key_offset.has_value()) return {};
+  const at::Tensor& off = *key_offset;
+  TORCH_CHECK(off.device().is_cpu() && off.scalar_type() == ct && off.is_contiguous() && off.dim() == 3 &&
+                  off.size(0) == k.size(0) && off.size(1) == k.size(1) && off.size(2) == k.size(2),
+              "mita fused: key_offset must be a contiguous (B, Hkv, Nk) tensor of dtype ", ct, ", got ",
+              off.sizes(), " ", off.scalar_type());
+  at::Tensor real = off.isfinite();
+  if (key_mask.has_value()) real = real & key_mask->unsqueeze(1);
+  return {off, real.contiguous()};
+}
+
 // Returns out, experts, routes, the landmarks (pooled here from q by the bins when none are given,
 // else a copy of them), and for the backward: v~ (B, H, m, D), the log-sum-exps of s0*A per
 // landmark (B, H, m) and of each query's joint softmax (B, H, Nq).
@@ -109,7 +126,8 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
                                 const std::optional<at::Tensor>& landmarks, const std::optional<at::Tensor>& key_mask,
                                 const std::optional<at::Tensor>& query_mask, int64_t topk, int64_t num_routed,
                                 double scale, double landmark_scale, const std::optional<at::Tensor>& pool_offsets,
-                                const std::optional<at::Tensor>& pool_tokens) {
+                                const std::optional<at::Tensor>& pool_tokens,
+                                const std::optional<at::Tensor>& key_offset) {
   const Bins bins = bins_data(pool_offsets, pool_tokens, q.dim() == 4 ? q.size(2) : 0);
   TORCH_CHECK(landmarks.has_value() != bool(bins), "mita fused: pass either landmarks or pooling bins");
   const auto copts = q.options().dtype(compute_type(q.scalar_type()));  // landmarks, v~, log-sum-exps
@@ -120,6 +138,9 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   check_scales(scale, landmark_scale, copts.dtype().toScalarType());
   const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3), m = lm.size(2);
   const bool *km = mask_data(key_mask, B, k.size(2), "key_mask"), *qm = mask_data(query_mask, B, Nq, "query_mask");
+  const auto merged = offsets_and_mask(key_offset, key_mask, k, copts.dtype().toScalarType());
+  const at::Tensor &off = merged.first, &real = merged.second;  // (no structured bindings: lambdas capture them)
+  if (real.defined()) km = real.data_ptr<bool>();
   TORCH_CHECK(!bins || !qm, "mita fused: pooling bins take no query mask (pool the masked landmarks outside)");
   TORCH_CHECK(k.size(2) < std::numeric_limits<int32_t>::max(), "mita fused: at most 2^31 - 2 keys, got Nk = ",
               k.size(2));
@@ -131,8 +152,9 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   at::Tensor experts = at::empty({B, H, m, topk}, q.options().dtype(at::kLong));
   at::Tensor routes = at::empty({B, H, Nq, num_routed}, q.options().dtype(at::kLong));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mita_fused_forward", [&] {
-    forward_impl<Compute<scalar_t>, scalar_t>(q, k, v, lm, bins, km, qm, topk, num_routed, scale, landmark_scale, out, experts, routes,
-                           v_shared, lse_a, lse_t);
+    using T = Compute<scalar_t>;
+    forward_impl<T, scalar_t>(q, k, v, lm, bins, km, qm, topk, num_routed, scale, landmark_scale, out, experts, routes,
+                              v_shared, lse_a, lse_t, off.defined() ? off.data_ptr<T>() : nullptr);
   });
   return {out, experts, routes, lm, v_shared, lse_a, lse_t};
 }
@@ -147,13 +169,17 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
                                  const at::Tensor& v_shared, const at::Tensor& lse_a, const at::Tensor& lse_t,
                                  double scale, double landmark_scale, const std::optional<at::Tensor>& pool_offsets,
                                  const std::optional<at::Tensor>& pool_tokens,
-                                 const std::optional<at::Tensor>& dlandmarks) {
+                                 const std::optional<at::Tensor>& dlandmarks,
+                                 const std::optional<at::Tensor>& key_offset) {
   check_inputs(q, k, v, landmarks);
   const auto ct = compute_type(q.scalar_type());
   check_scales(scale, landmark_scale, ct);
   const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), Nk = k.size(2), D = q.size(3);
   const int64_t Nq = q.size(2), m = landmarks.size(2);
   const bool *km = mask_data(key_mask, B, Nk, "key_mask"), *qm = mask_data(query_mask, B, Nq, "query_mask");
+  const auto merged = offsets_and_mask(key_offset, key_mask, k, ct);
+  const at::Tensor &off = merged.first, &real = merged.second;
+  if (real.defined()) km = real.data_ptr<bool>();
   const Bins bins = bins_data(pool_offsets, pool_tokens, Nq);
   TORCH_CHECK(!bins || (pool_offsets->numel() == m + 1 && !qm),
               "mita fused: pooling bins must give the m landmarks and take no query mask");
@@ -182,8 +208,10 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
   at::Tensor dq = at::empty(q.sizes(), q.options()), dl = at::zeros_like(landmarks);
   at::Tensor dk = at::empty({B, H, Nk, D}, q.options()), dv = at::empty({B, H, Nk, D}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mita_fused_backward", [&] {
-    backward_impl<Compute<scalar_t>, scalar_t>(dout, q, k, v, landmarks, km, qm, experts, routes, out, v_shared, lse_a, lse_t, scale,
-                            landmark_scale, bins, dlandmarks.has_value() ? &*dlandmarks : nullptr, dq, dk, dv, dl);
+    using T = Compute<scalar_t>;
+    backward_impl<T, scalar_t>(dout, q, k, v, landmarks, km, qm, experts, routes, out, v_shared, lse_a, lse_t, scale,
+                               landmark_scale, bins, dlandmarks.has_value() ? &*dlandmarks : nullptr,
+                               off.defined() ? off.data_ptr<T>() : nullptr, dq, dk, dv, dl);
   });
   if (H != Hkv) {  // grouped-query heads: each kv head's gradient is the sum over its query heads
     dk = dk.view({B, Hkv, H / Hkv, Nk, D}).sum(2);
@@ -198,12 +226,12 @@ TORCH_LIBRARY(mita, m) {
   m.def(
       "fused_forward(Tensor q, Tensor k, Tensor v, Tensor? landmarks, Tensor? key_mask, Tensor? query_mask, "
       "int topk, int num_routed, float scale, float landmark_scale, Tensor? pool_offsets=None, "
-      "Tensor? pool_tokens=None) -> Tensor[]");
+      "Tensor? pool_tokens=None, Tensor? key_offset=None) -> Tensor[]");
   m.def(
       "fused_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor landmarks, Tensor? key_mask, "
       "Tensor? query_mask, Tensor experts, Tensor routes, Tensor out, Tensor v_shared, Tensor lse_a, "
       "Tensor lse_t, float scale, float landmark_scale, Tensor? pool_offsets=None, Tensor? pool_tokens=None, "
-      "Tensor? dlandmarks=None) -> Tensor[]");
+      "Tensor? dlandmarks=None, Tensor? key_offset=None) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(mita, CPU, m) {
