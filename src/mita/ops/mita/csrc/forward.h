@@ -326,6 +326,7 @@ struct Forward {
     const int64_t kk = std::min(topk, n_real[mask_row(x)]);
     const int64_t* keys = E + (x * m + e) * topk;
     const T* off = key_offset(x);
+    const T inv_scale = T(1) / scale;
     const In* Kx = kx(x);
     const In* Vx = vx(x);
     T *Ke = sc.Ke.data(), *Ve = sc.Ve.data(), *Qb = sc.Qb.data(), *Sb = sc.Sb.data(), *Ob = sc.Ob.data();
@@ -363,7 +364,7 @@ struct Forward {
       for (int64_t i = 0; i < nb; ++i) {
         T* row = Sb + i * kk;
         if (off)  // a kept key weighs as all its copies: s0 q.k + offset
-          for (int64_t j = 0; j < kk; ++j) row[j] += off[keys[j]] / scale;
+          for (int64_t j = 0; j < kk; ++j) row[j] += off[keys[j]] * inv_scale;
         const auto [sm, rm] = exp_row(row, kk, scale);
         scale_row(row, kk, T(1) / sm);
         sc.w[i] = sm;
