@@ -152,6 +152,63 @@ def test_fused_float32_is_deterministic_and_reads_no_uninitialised_memory() -> N
         assert torch.isfinite(a).all() and torch.equal(a, b)
 
 
+def _kept_call(n: int = 2048) -> torch.Tensor:
+    """A fused forward whose output (1 MiB at n = 2,048) is over the kept memory's 256 KiB threshold."""
+    q = torch.randn(1, 2, n, 64)
+    return mita_attention(q, q, q, num_landmarks=8, topk=8, impl="fused")
+
+
+def test_freed_outputs_serve_the_next_call(kernel) -> None:
+    """A freed output's block is the next output of its size (pages already mapped), within the limit;
+    ``empty_cache`` gives every kept block back."""
+    held, limit = torch.ops.mita.kept_memory()
+    try:
+        out = _kept_call()
+        block, size = out.data_ptr(), out.untyped_storage().nbytes()
+        del out
+        assert torch.ops.mita.kept_memory()[0] >= held + size
+        again = _kept_call()
+        assert again.data_ptr() == block
+        torch.ops.mita.kept_memory(size)  # room for one such block: the second one freed is not kept
+        other = _kept_call()
+        del again, other
+        assert 0 < torch.ops.mita.kept_memory()[0] <= size
+        assert fused.empty_cache() > 0 and torch.ops.mita.kept_memory()[0] == 0
+    finally:
+        torch.ops.mita.kept_memory(limit)
+    with pytest.raises(RuntimeError, match="limit must be >= 0"):
+        torch.ops.mita.kept_memory(-1)
+
+
+def test_profiler_counts_kept_outputs(kernel) -> None:
+    """The profiler's memory events (`mita bench`'s peak) see an output from kept memory as allocated."""
+    _kept_call()  # a first call, freed at once: its block is kept, the next call reuses it
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = _kept_call()
+    events = prof.profiler.kineto_results.events()
+    allocated = sum(e.nbytes() for e in events if e.name() == "[memory]" and e.nbytes() > 0)
+    assert allocated >= out.untyped_storage().nbytes()
+
+
+# _kept_call in a fresh process, its output held in a global until the interpreter exits.
+KEPT_CHILD = "import torch; from mita import mita_attention; q = torch.randn(1, 2, 2048, 64); "
+KEPT_CHILD += "OUT = mita_attention(q, q, q, num_landmarks=8, topk=8, impl='fused')"
+
+
+def test_kept_outputs_outlive_the_interpreter(kernel) -> None:
+    """An output still referenced at exit is freed during interpreter shutdown without a crash."""
+    run = subprocess.run([sys.executable, "-c", KEPT_CHILD], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+
+
+@pytest.mark.parametrize("value", ["lots", "-1"])
+def test_bad_kept_limit_is_refused(kernel, value) -> None:
+    """MITA_CPU_CACHE_MB is read at a process's first output; a bad value is an error that names it."""
+    env = {**os.environ, "MITA_CPU_CACHE_MB": value}
+    run = subprocess.run([sys.executable, "-c", KEPT_CHILD], capture_output=True, text=True, env=env)
+    assert run.returncode != 0 and f"MITA_CPU_CACHE_MB='{value}': use a whole number of MiB" in run.stderr
+
+
 def test_switched_off_falls_back_to_grouped(fresh_state, monkeypatch, spy) -> None:
     monkeypatch.setenv("MITA_FUSED", "0")
     q, k, v, _ = Case(N=20, m=3, k=4).inputs()

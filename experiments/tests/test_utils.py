@@ -157,7 +157,8 @@ def test_memory_setup_names_the_allocator_settings(monkeypatch):
     assert machine.memory_setup().startswith("default allocator")
     monkeypatch.setenv("LD_PRELOAD", "/opt/lib/libjemalloc.so.2:/usr/lib/libfoo.so")
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=4294967296")
+    monkeypatch.setenv("MITA_CPU_CACHE_MB", "0")
     line = machine.memory_setup()
-    assert line.startswith("LD_PRELOAD=libjemalloc.so.2 libfoo.so, GLIBC_TUNABLES=glibc.malloc.trim_threshold=")
+    assert line.startswith("MITA_CPU_CACHE_MB=0, LD_PRELOAD=libjemalloc.so.2 libfoo.so, GLIBC_TUNABLES=glibc.malloc.")
     assert "/opt/lib" not in line and "default" not in line
     assert machine.machine_info()["memory"] == line and line in machine.describe()

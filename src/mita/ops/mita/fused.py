@@ -30,6 +30,14 @@ AMD Zen 4 with AVX512-BF16). The bfloat16 products were run on AVX512-BF16 only;
 the float32 path unless ``MITA_BF16_PRODUCTS=1`` (see :func:`bf16_products`). float16 products
 (brgemm needs AVX512-FP16 there) are not implemented.
 
+Kept memory: the tensors the kernels return (the output, the saved values, dq, dk, dv; blocks of
+256 KiB or more) come from an allocator of their own that keeps freed blocks for the next call of
+the same shapes, so their pages are not faulted in again (glibc maps large blocks anew on every
+call: 1-2 us a 4 KiB page, 8 ms of a 66 ms forward at N = 16,384; docs/performance.md, "Fresh
+memory"). It holds at most ``MITA_CPU_CACHE_MB`` MiB (default 256; 0 keeps nothing; read at the
+first call) of freed blocks, which :func:`empty_cache` gives back, like ``torch.cuda.empty_cache``.
+The profiler's memory events count a kept block as freed, as they count torch's CUDA cache.
+
 Merged duplicate keys (``merge_duplicates=True``) pass their per-key logit offsets (B, Hkv, Nk) to
 both kernels, which add them to the affinities and the routed logits and treat a key with an
 infinite offset as padded in its kv head.
@@ -167,6 +175,16 @@ def available() -> bool:
 def unavailable_reason() -> str | None:
     """Why the kernel is not available (None if it is), after :func:`available` said so."""
     return _state.get("why")
+
+
+def empty_cache() -> int:
+    """Give the freed output blocks the kernels keep back to the system; returns how many bytes that was."""
+    if not available():
+        return 0
+    held, limit = torch.ops.mita.kept_memory()
+    torch.ops.mita.kept_memory(0)
+    torch.ops.mita.kept_memory(limit)
+    return held
 
 
 def _load() -> str | None:

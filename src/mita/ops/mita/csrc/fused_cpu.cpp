@@ -13,12 +13,13 @@
 // small experts' products, with rows gathered by index, run in register tiles (small_gemm);
 // element-wise work uses ATen's vectorized types. Ties in top-k and routing go to the lower index.
 //
-// The parts, one translation unit, in this order: common.h (includes, BLAS), vec.h (row helpers),
-// topk.h (selection), merge.h (merging partial softmaxes), products.h (gemm and register tiles),
-// rows.h (layouts, pooling), forward.h, backward.h; this file
-// holds the argument checks, the operators' entry points and their registration.
+// The parts, one translation unit, in this order: common.h (includes, BLAS), memory.h (the outputs'
+// allocator), vec.h (row helpers), topk.h (selection), merge.h (merging partial softmaxes), products.h
+// (gemm and register tiles), rows.h (layouts, pooling), forward.h, backward.h; this file holds the
+// argument checks, the operators' entry points and their registration.
 
 #include "common.h"
+#include "memory.h"
 #include "vec.h"
 #include "topk.h"
 #include "merge.h"
@@ -147,10 +148,10 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   TORCH_CHECK(topk >= 1 && topk <= k.size(2) && num_routed >= 1 && num_routed <= m,
               "mita fused: topk must be in [1, Nk = ", k.size(2), "] and num_routed in [1, m = ", m, "], got topk = ",
               topk, ", num_routed = ", num_routed);
-  at::Tensor out = at::empty({B, Nq, H, D}, q.options()).transpose(1, 2), v_shared = at::empty({B, H, m, D}, copts);
-  at::Tensor lse_a = at::empty({B, H, m}, copts), lse_t = at::empty({B, H, Nq}, copts);
-  at::Tensor experts = at::empty({B, H, m, topk}, q.options().dtype(at::kLong));
-  at::Tensor routes = at::empty({B, H, Nq, num_routed}, q.options().dtype(at::kLong));
+  at::Tensor out = kept_empty({B, Nq, H, D}, q.options()).transpose(1, 2), v_shared = kept_empty({B, H, m, D}, copts);
+  at::Tensor lse_a = kept_empty({B, H, m}, copts), lse_t = kept_empty({B, H, Nq}, copts);
+  at::Tensor experts = kept_empty({B, H, m, topk}, q.options().dtype(at::kLong));
+  at::Tensor routes = kept_empty({B, H, Nq, num_routed}, q.options().dtype(at::kLong));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mita_fused_forward", [&] {
     using T = Compute<scalar_t>;
     forward_impl<T, scalar_t>(q, k, v, lm, bins, km, qm, topk, num_routed, scale, landmark_scale, out, experts, routes,
@@ -205,8 +206,8 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
               "mita fused: expert key indices out of range");
   TORCH_CHECK(routes.numel() == 0 || (routes.min().item<int64_t>() >= 0 && routes.max().item<int64_t>() < m),
               "mita fused: routes out of range");
-  at::Tensor dq = at::empty(q.sizes(), q.options()), dl = at::zeros_like(landmarks);
-  at::Tensor dk = at::empty({B, H, Nk, D}, q.options()), dv = at::empty({B, H, Nk, D}, q.options());
+  at::Tensor dq = kept_empty(q.sizes(), q.options()), dl = at::zeros_like(landmarks);
+  at::Tensor dk = kept_empty({B, H, Nk, D}, q.options()), dv = kept_empty({B, H, Nk, D}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mita_fused_backward", [&] {
     using T = Compute<scalar_t>;
     backward_impl<T, scalar_t>(dout, q, k, v, landmarks, km, qm, experts, routes, out, v_shared, lse_a, lse_t, scale,
@@ -218,6 +219,13 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
     dv = dv.view({B, Hkv, H / Hkv, Nk, D}).sum(2);
   }
   return {dq, dk, dv, dl};
+}
+
+// The outputs' kept memory (memory.h): sets its limit in bytes when given; returns {bytes kept, limit}.
+std::vector<int64_t> kept_memory(std::optional<int64_t> limit) {
+  TORCH_CHECK(!limit || *limit >= 0, "mita fused: the kept memory's limit must be >= 0 bytes, got ", limit.value_or(0));
+  const auto [held, lim] = KeptBlocks::get().set_limit(limit ? std::optional<size_t>(*limit) : std::nullopt);
+  return {int64_t(held), int64_t(lim)};
 }
 
 }  // namespace
@@ -232,6 +240,7 @@ TORCH_LIBRARY(mita, m) {
       "Tensor? query_mask, Tensor experts, Tensor routes, Tensor out, Tensor v_shared, Tensor lse_a, "
       "Tensor lse_t, float scale, float landmark_scale, Tensor? pool_offsets=None, Tensor? pool_tokens=None, "
       "Tensor? dlandmarks=None, Tensor? key_offset=None) -> Tensor[]");
+  m.def("kept_memory(int? limit=None) -> int[]", &kept_memory);
 }
 
 TORCH_LIBRARY_IMPL(mita, CPU, m) {

@@ -1,0 +1,153 @@
+// The kernels' outputs in memory kept for reuse: freed blocks stay mapped, so the next call's
+// output does not fault its pages in again.
+// Part of the fused MiTA CPU kernel (fused_cpu.cpp, one translation unit; see README.md here).
+
+#pragma once
+
+#include "common.h"
+
+#include <ATen/EmptyTensor.h>
+#include <ATen/native/TensorFactories.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <string>
+
+#if __has_include(<pthread.h>)
+#include <pthread.h>
+#endif
+
+namespace {
+
+// glibc maps a block above its mmap threshold (at most 32 MiB) anew on every allocation and gives it
+// back when it is freed, and trims the top of its heap: a large output's first write then faults once
+// per 4 KiB page, 1-2 us a page on the VMs measured (8 ms of a 66 ms forward at N = 16,384). SDPA's
+// calls are long enough not to notice; MiTA's are not. So the outputs the kernels make (out,
+// v~, the log-sum-exps, dq, dk, dv; blocks of at least kMinBlock bytes) come from this allocator:
+// a freed block is kept for the next request of its size (rounded to whole pages), up to a limit
+// in all (MITA_CPU_CACHE_MB MiB, default 256, read at the first output; fused.empty_cache() gives
+// the blocks back). It is
+// PyTorch's CUDA caching allocator's idea on CPU, for these tensors only: the process's allocator
+// is left as the user set it. Blocks come from c10::alloc_cpu, as torch's own CPU tensors do
+// (its alignment, THP_MEM_ALLOC_ENABLE), and the profiler's memory events see each tensor's bytes
+// as torch's allocator reports them (a kept block is not a tensor's: reported freed).
+class KeptBlocks final : public c10::Allocator {
+ public:
+  static constexpr size_t kMinBlock = size_t(1) << 18, kPage = 4096;
+
+  // Never destroyed: a tensor may be freed after static destructors ran (at exit).
+  static KeptBlocks& get() {
+    static KeptBlocks* blocks = [] {
+      auto* b = new KeptBlocks(limit_from_env());
+#if __has_include(<pthread.h>)
+      // A child forked while another thread held the lock would wait on it for ever: it starts empty.
+      pthread_atfork(nullptr, nullptr, [] { new (&get().mutex_) std::mutex(); get().free_.clear(); get().held_ = 0; });
+#endif
+      return b;
+    }();
+    return *blocks;
+  }
+
+  c10::DataPtr allocate(size_t n) override {
+    const size_t size = (n + kPage - 1) / kPage * kPage;
+    if (n < kMinBlock) return c10::GetCPUAllocator()->allocate(n);
+    void* p = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      const auto it = free_.find(size);
+      if (it != free_.end()) {
+        p = it->second.back();
+        it->second.pop_back();
+        if (it->second.empty()) free_.erase(it);
+        held_ -= size;
+      }
+    }
+    if (!p) {
+      trim(size);  // a size not kept: room for it first (the shapes changed)
+      p = c10::alloc_cpu(size);
+    }
+    c10::profiledCPUMemoryReporter().New(p, n);
+    return {p, new Block{p, size}, &KeptBlocks::release, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
+
+  // Sets the limit in bytes (0: keep nothing) and frees the blocks over it; returns {kept bytes, limit}.
+  std::pair<size_t, size_t> set_limit(std::optional<size_t> bytes) {
+    if (bytes) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      limit_ = *bytes;
+    }
+    trim(0);
+    std::lock_guard<std::mutex> lock(mutex_);
+    return {held_, limit_};
+  }
+
+ private:
+  explicit KeptBlocks(size_t limit) : limit_(limit) {}
+
+  static size_t limit_from_env() {
+    const char* env = std::getenv("MITA_CPU_CACHE_MB");
+    const std::string value = env && *env ? env : "256";  // (unset or empty: the default)
+    const bool digits = !value.empty() && value.size() <= 12 &&
+                        std::all_of(value.begin(), value.end(), [](char c) { return c >= '0' && c <= '9'; });
+    TORCH_CHECK(digits, "MITA_CPU_CACHE_MB='", value, "': use a whole number of MiB >= 0 (0 keeps no freed output)");
+    return size_t(std::stoull(value)) << 20;
+  }
+
+  struct Block {
+    void* p;
+    size_t size;
+  };
+
+  static void release(void* ctx) {
+    const Block b = *static_cast<Block*>(ctx);
+    delete static_cast<Block*>(ctx);
+    c10::profiledCPUMemoryReporter().Delete(b.p);
+    KeptBlocks& self = get();
+    {
+      std::lock_guard<std::mutex> lock(self.mutex_);
+      if (self.held_ + b.size <= self.limit_) {
+        self.free_[b.size].push_back(b.p);
+        self.held_ += b.size;
+        return;
+      }
+    }
+    c10::free_cpu(b.p);
+  }
+
+  // Frees kept blocks, the largest first, until `room` more bytes fit under the limit.
+  void trim(size_t room) {
+    std::vector<void*> spill;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      while (held_ > 0 && held_ + room > limit_) {
+        auto it = std::prev(free_.end());
+        spill.push_back(it->second.back());
+        held_ -= it->first;
+        it->second.pop_back();
+        if (it->second.empty()) free_.erase(it);
+      }
+    }
+    for (void* p : spill) c10::free_cpu(p);
+  }
+
+  std::mutex mutex_;
+  std::map<size_t, std::vector<void*>> free_;  // kept blocks by size
+  size_t held_ = 0, limit_;
+};
+
+// at::empty through KeptBlocks; NaN-filled (integers: their maximum) under torch's deterministic
+// mode with fill_uninitialized_memory, as at::empty is.
+at::Tensor kept_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  at::Tensor t = at::detail::empty_generic(sizes, &KeptBlocks::get(), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                           c10::typeMetaToScalarType(options.dtype()), std::nullopt);
+  if (at::globalContext().deterministicAlgorithms() && at::globalContext().deterministicFillUninitializedMemory())
+    at::native::fill_empty_deterministic_(t);
+  return t;
+}
+
+}  // namespace
