@@ -215,8 +215,9 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
                                off.defined() ? off.data_ptr<T>() : nullptr, dq, dk, dv, dl);
   });
   if (H != Hkv) {  // grouped-query heads: each kv head's gradient is the sum over its query heads
-    dk = dk.view({B, Hkv, H / Hkv, Nk, D}).sum(2);
-    dv = dv.view({B, Hkv, H / Hkv, Nk, D}).sum(2);
+    at::Tensor dk_kv = kept_empty({B, Hkv, Nk, D}, q.options()), dv_kv = kept_empty({B, Hkv, Nk, D}, q.options());
+    dk = at::sum_out(dk_kv, dk.view({B, Hkv, H / Hkv, Nk, D}), 2);
+    dv = at::sum_out(dv_kv, dv.view({B, Hkv, H / Hkv, Nk, D}), 2);
   }
   return {dq, dk, dv, dl};
 }
