@@ -29,9 +29,8 @@ namespace {
 // v~, the log-sum-exps, dq, dk, dv; blocks of at least kMinBlock bytes) come from this allocator:
 // a freed block is kept for the next request of its size (rounded to whole pages), up to a limit
 // in all (MITA_CPU_CACHE_MB MiB, default 256, read at the first output; fused.empty_cache() gives
-// the blocks back). It is
-// PyTorch's CUDA caching allocator's idea on CPU, for these tensors only: the process's allocator
-// is left as the user set it. Blocks come from c10::alloc_cpu, as torch's own CPU tensors do
+// the blocks back). It is PyTorch's CUDA caching allocator's idea on CPU, for these tensors only:
+// the process's allocator is left as the user set it. Blocks come from c10::alloc_cpu, as torch's own CPU tensors do
 // (its alignment, THP_MEM_ALLOC_ENABLE), and the profiler's memory events see each tensor's bytes
 // as torch's allocator reports them (a kept block is not a tensor's: reported freed).
 class KeptBlocks final : public c10::Allocator {
