@@ -152,9 +152,10 @@ def test_fused_float32_is_deterministic_and_reads_no_uninitialised_memory() -> N
         assert torch.isfinite(a).all() and torch.equal(a, b)
 
 
-def _kept_call(n: int = 2048) -> torch.Tensor:
-    """A fused forward whose output (1 MiB at n = 2,048) is over the kept memory's 256 KiB threshold."""
-    q = torch.randn(1, 2, n, 64)
+def _kept_call(q: torch.Tensor | None = None) -> torch.Tensor:
+    """A fused forward whose output (1 MiB for q of (1, 2, 2048, 64), drawn when not given) is over the
+    kept memory's 256 KiB threshold."""
+    q = torch.randn(1, 2, 2048, 64) if q is None else q
     return mita_attention(q, q, q, num_landmarks=8, topk=8, impl="fused")
 
 
@@ -182,9 +183,10 @@ def test_freed_outputs_serve_the_next_call(kernel) -> None:
 
 def test_profiler_counts_kept_outputs(kernel) -> None:
     """The profiler's memory events (`mita bench`'s peak) see an output from kept memory as allocated."""
-    _kept_call()  # a first call, freed at once: its block is kept, the next call reuses it
+    q = torch.randn(1, 2, 2048, 64)  # (drawn outside the profile: q alone is as large as the output)
+    _kept_call(q)  # a first call, freed at once: its block is kept, the next call reuses it
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = _kept_call()
+        out = _kept_call(q)
     events = prof.profiler.kineto_results.events()
     allocated = sum(e.nbytes() for e in events if e.name() == "[memory]" and e.nbytes() > 0)
     assert allocated >= out.untyped_storage().nbytes()

@@ -30,9 +30,9 @@ namespace {
 // a freed block is kept for the next request of its size (rounded to whole pages), up to a limit
 // in all (MITA_CPU_CACHE_MB MiB, default 256, read at the first output; fused.empty_cache() gives
 // the blocks back). It is PyTorch's CUDA caching allocator's idea on CPU, for these tensors only:
-// the process's allocator is left as the user set it. Blocks come from c10::alloc_cpu, as torch's own CPU tensors do
-// (its alignment, THP_MEM_ALLOC_ENABLE), and the profiler's memory events see each tensor's bytes
-// as torch's allocator reports them (a kept block is not a tensor's: reported freed).
+// the process's allocator is left as the user set it. Blocks come from c10::alloc_cpu, as torch's
+// own CPU tensors do (its alignment, THP_MEM_ALLOC_ENABLE), and the profiler's memory events see each
+// tensor's bytes as torch's allocator reports them (a kept block is not a tensor's: reported freed).
 class KeptBlocks final : public c10::Allocator {
  public:
   static constexpr size_t kMinBlock = size_t(1) << 18, kPage = 4096;
@@ -51,8 +51,8 @@ class KeptBlocks final : public c10::Allocator {
   }
 
   c10::DataPtr allocate(size_t n) override {
-    const size_t size = (n + kPage - 1) / kPage * kPage;
     if (n < kMinBlock) return c10::GetCPUAllocator()->allocate(n);
+    const size_t size = (n + kPage - 1) / kPage * kPage;
     void* p = nullptr;
     {
       std::lock_guard<std::mutex> lock(mutex_);
