@@ -181,6 +181,22 @@ def test_freed_outputs_serve_the_next_call(kernel) -> None:
         torch.ops.mita.kept_memory(-1)
 
 
+def test_scratch_buffers_are_kept_too(kernel) -> None:
+    """A call's scratch of 256 KiB or more (here a small bfloat16 head's float32 output rows, 1,024 x 64)
+    goes back to the kept memory, not to the OS, and the next call takes it again."""
+    limit = torch.ops.mita.kept_memory()[1]
+    try:
+        fused.empty_cache()
+        q = torch.randn(1, 1, 1024, 64).bfloat16()  # its bfloat16 output, 128 KiB, is under the threshold
+        out = mita_attention(q, q, q, num_landmarks=8, topk=8, impl="fused")
+        kept = torch.ops.mita.kept_memory()[0]
+        assert kept >= 1024 * 64 * 4
+        again = mita_attention(q, q, q, num_landmarks=8, topk=8, impl="fused")
+        assert torch.ops.mita.kept_memory()[0] == kept and torch.equal(out, again)
+    finally:
+        torch.ops.mita.kept_memory(limit)
+
+
 def test_profiler_counts_kept_outputs(kernel) -> None:
     """The profiler's memory events (`mita bench`'s peak) see an output from kept memory as allocated."""
     q = torch.randn(1, 2, 2048, 64)  # (drawn outside the profile: q alone is as large as the output)
@@ -570,8 +586,8 @@ def _check_half(case: Case, extra: dict, dtype: torch.dtype) -> None:
 
 
 def test_bf16_products_are_decided_by_the_cpu(monkeypatch) -> None:
-    """bfloat16 products only in AVX-512 builds on CPUs with AVX512-BF16 and no AMX (not verified
-    there); MITA_BF16_PRODUCTS=0 / 1 forces them off / on; the choice is a define of the build, so
+    """bfloat16 products only in AVX-512 builds on CPUs with AVX512-BF16 or AMX;
+    MITA_BF16_PRODUCTS=0 / 1 forces them off / on; the choice is a define of the build, so
     part of the cache key; a bad value names the variable."""
     monkeypatch.delenv("MITA_BF16_PRODUCTS", raising=False)
     cpu = {"_is_avx512_bf16_supported": True, "_is_amx_tile_supported": False}
@@ -585,8 +601,8 @@ def test_bf16_products_are_decided_by_the_cpu(monkeypatch) -> None:
     with pytest.raises(ValueError, match="MITA_BF16_PRODUCTS='yes'"):
         fused.bf16_products()
     monkeypatch.delenv("MITA_BF16_PRODUCTS")
-    cpu["_is_amx_tile_supported"] = True
-    assert not fused.bf16_products()
+    cpu.update(_is_avx512_bf16_supported=False, _is_amx_tile_supported=True)
+    assert fused.bf16_products()
     monkeypatch.setenv("MITA_BF16_PRODUCTS", "1")
     assert fused.bf16_products()
     monkeypatch.setattr(fused, "_isa", lambda: "AVX2")

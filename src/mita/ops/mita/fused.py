@@ -26,16 +26,16 @@ expert's keys and values); its gradient products stay float32. Verified by
 the same dtype against float64 (odd sizes, masks, prefix and suffix tokens, GQA, cross-attention,
 both schedules), and no copy of a (B, H, N, D) tensor in the profile of a forward and backward.
 Speed: docs/performance.md, "Half precision" (float32 scratch on AMD Zen 3; bfloat16 products on
-AMD Zen 4 with AVX512-BF16). The bfloat16 products were run on AVX512-BF16 only; AMX CPUs keep
-the float32 path unless ``MITA_BF16_PRODUCTS=1`` (see :func:`bf16_products`). float16 products
-(brgemm needs AVX512-FP16 there) are not implemented.
+AMD Zen 4 with AVX512-BF16, AMX on Intel Xeon; which CPUs take them: :func:`bf16_products`).
+float16 products (brgemm needs AVX512-FP16 there) are not implemented.
 
-Kept memory: the tensors the kernels return (the output, the saved values, dq, dk, dv; blocks of
-256 KiB or more) come from an allocator of their own that keeps freed blocks for the next call of
-the same shapes, so their pages are not faulted in again (glibc maps large blocks anew on every
-call: 1-2 us a 4 KiB page, 8 ms of a 66 ms forward at N = 16,384; docs/performance.md, "Fresh
-memory"). It holds at most ``MITA_CPU_CACHE_MB`` MiB (default 256; 0 keeps nothing; read at the
-first call) of freed blocks, which :func:`empty_cache` gives back, like ``torch.cuda.empty_cache``.
+Kept memory: the tensors the kernels return (the output, the saved values, dq, dk, dv) and their
+scratch buffers, blocks of 256 KiB or more, come from an allocator of their own that keeps freed
+blocks for the next call of the same shapes, so their pages are not faulted in again (glibc maps
+large blocks anew on every call: 1-2 us a 4 KiB page, 8 ms of a 66 ms forward at N = 16,384;
+docs/performance.md, "Fresh memory"). It holds at most ``MITA_CPU_CACHE_MB`` MiB (default 256; 0
+keeps nothing; read at the first call) of freed blocks, which :func:`empty_cache` gives back, like
+``torch.cuda.empty_cache``.
 The profiler's memory events count a kept block as freed, as they count torch's CUDA cache.
 
 Merged duplicate keys (``merge_duplicates=True``) pass their per-key logit offsets (B, Hkv, Nk) to
@@ -81,14 +81,12 @@ def _isa() -> str:
 def bf16_products() -> bool:
     """Whether bfloat16 calls multiply bfloat16 operands (float32 accumulation) instead of float32.
 
-    Decided once per machine from what torch reports: an AVX-512 build on a CPU with AVX512-BF16
-    and no AMX, where oneDNN's brgemm runs bfloat16 products at about twice float32's rate (Zen 4).
-    Elsewhere brgemm would emulate them, slower than the float32 path. AMX CPUs keep the float32
-    path until the products are verified there: oneDNN documents AMX's packed B in blocks of 16-64
-    columns, and the kernel packs whole rows (verified on AVX512-BF16 only).
-    ``MITA_BF16_PRODUCTS=0`` turns them off, ``=1`` on for any AVX-512 build (to test an AMX CPU).
-    While oneDNN is disabled (``torch.backends.mkldnn.flags(enabled=False)``) the kernels take the
-    float32 path per call: torch's brgemm then refuses bfloat16 operands.
+    Decided once per machine from what torch reports: an AVX-512 build on a CPU with AVX512-BF16 or
+    AMX, where oneDNN's brgemm runs bfloat16 products in hardware (Zen 4's vdpbf16ps at about twice
+    float32's rate; AMX's tiles on Intel Xeon, verified there on 2026-12-05). Elsewhere brgemm would
+    emulate them, slower than the float32 path. ``MITA_BF16_PRODUCTS=0`` turns them off, ``=1`` on
+    for any AVX-512 build. While oneDNN is disabled (``torch.backends.mkldnn.flags(enabled=False)``)
+    the kernels take the float32 path per call: torch's brgemm then refuses bfloat16 operands.
     """
     choice = os.environ.get("MITA_BF16_PRODUCTS", "")
     if choice not in ("", "0", "1"):
@@ -101,7 +99,7 @@ def bf16_products() -> bool:
     def reports(name: str) -> bool:  # (private torch queries: a torch without them keeps float32)
         return getattr(torch.cpu, name, lambda: False)()
 
-    return reports("_is_avx512_bf16_supported") and not reports("_is_amx_tile_supported")
+    return reports("_is_avx512_bf16_supported") or reports("_is_amx_tile_supported")
 
 
 def _cflags() -> list[str]:

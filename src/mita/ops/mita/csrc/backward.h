@@ -48,18 +48,18 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
     const SingleThreadedBlas blas;
     [[maybe_unused]] const std::conditional_t<bf, Bf16Products, bool> release{};
     // bfloat16 products: the landmarks as rows and as VNNI L^T, gathered query and dout rows, K_e^T and V_e^T.
-    std::vector<bf16> Lb(use_bf ? m * D : 0), Lp(Lb.size()), Qh(use_bf ? kQueryBlock * D : 0), dOh(Qh.size()),
+    Buffer<bf16> Lb(use_bf ? m * D : 0), Lp(Lb.size()), Qh(use_bf ? kQueryBlock * D : 0), dOh(Qh.size()),
         Kp(use_bf ? topk * D : 0), Vp(Kp.size());
     const int64_t nbuf = std::max({padded_ld<T>(kQueryBlock), kKeyBlock, topk});
-    std::vector<T> delta(Nq), dvs(m * D), rowdot(padded_ld<T>(m)), la(rowdot.size()), P(nbuf * std::max(padded_ld<T>(m), topk)), dP(nbuf * std::max(padded_ld<T>(m), topk));
-    std::vector<T> Qb(padded_ld<T>(kQueryBlock) * D), dOb(padded_ld<T>(kQueryBlock) * D), dQb(kQueryBlock * D), Ke(topk * D), Ve(topk * D),
+    Buffer<T> delta(Nq), dvs(m * D), rowdot(padded_ld<T>(m)), la(rowdot.size()), P(nbuf * std::max(padded_ld<T>(m), topk)), dP(nbuf * std::max(padded_ld<T>(m), topk));
+    Buffer<T> Qb(padded_ld<T>(kQueryBlock) * D), dOb(padded_ld<T>(kQueryBlock) * D), dQb(kQueryBlock * D), Ke(topk * D), Ve(topk * D),
         dKe(topk * D), dVe(topk * D);
     // Half precision: a key block converted, and the head's gradients in T until rounded at its end.
-    std::vector<T> Kb(half ? kKeyBlock * D : 0), Vb(half ? kKeyBlock * D : 0), dQf(half ? Nq * D : 0),
+    Buffer<T> Kb(half ? kKeyBlock * D : 0), Vb(half ? kKeyBlock * D : 0), dQf(half ? Nq * D : 0),
         dKf(half ? Nk * D : 0), dVf(half ? Nk * D : 0);
-    std::vector<int64_t> start(m + 1), members(Nq * s);
+    Buffer<int64_t> start(m + 1), members(Nq * s);
     // Half precision, small heads: the head's q, dout, out, k, v rows in float32.
-    std::vector<T> hq(half && small ? Nq * D : 0), hdo(hq.size()), ho(hq.size()), hk(half && small ? Nk * D : 0),
+    Buffer<T> hq(half && small ? Nq * D : 0), hdo(hq.size()), ho(hq.size()), hk(half && small ? Nk * D : 0),
         hv(hk.size());
     for (int64_t x = begin; x < end; ++x) {
       const int64_t b = x / H;
@@ -84,7 +84,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         constexpr bool conv = !std::is_same_v<std::decay_t<decltype(*Kx)>, T>;  // rows still to convert
         const T *Lx = L + x * m * D, *VSx = VS + x * m * D, *LTx = LT + x * Nq;
         // The head's gradients: written in place, or (half precision) in scratch, rounded at its end.
-        const auto grad = [](auto* rows, std::vector<T>& scratch) -> T* {
+        const auto grad = [](auto* rows, Buffer<T>& scratch) -> T* {
           if constexpr (std::is_same_v<decltype(rows), T*>) return rows;
           else return scratch.data();
         };
@@ -334,7 +334,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
       const In *Qx = Q + qr.head(b, h), *dOx = dO + dor.head(b, h), *Ox = O + outr.head(b, h);
       const In *Kx = K + kr.head(b, hkv), *Vx = Vv + vr.head(b, hkv);
       if (half && small) {
-        const auto convert = [&](const In* rows, int64_t st, int64_t n, std::vector<T>& to) {
+        const auto convert = [&](const In* rows, int64_t st, int64_t n, Buffer<T>& to) {
           return rows_as(rows, n, D, st, to.data());
         };
         head(convert(Qx, qs, Nq, hq), convert(dOx, dos, Nq, hdo), convert(Ox, os, Nq, ho), convert(Kx, ks, Nk, hk),

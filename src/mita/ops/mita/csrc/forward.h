@@ -7,6 +7,7 @@
 #include "rows.h"
 #include "topk.h"
 #include "merge.h"
+#include "memory.h"
 
 namespace {
 
@@ -61,11 +62,11 @@ struct Forward {
   // One thread's buffers, sized for phase A on up to `rows` landmark rows (Kb, Vb: a block of
   // keys and values converted from half precision, else empty).
   struct Scratch {
-    std::vector<T> S, mx, sum, G, Ke, Ve, Qb, Sb, Ob, lse, a, w, Kb, Vb;
-    std::vector<bf16> Ha, Hl, Hb;  // bfloat16 products: an A operand, landmark rows, a VNNI B operand
-    std::vector<Key> keys, block_keys;
-    std::vector<int32_t> index;
-    std::vector<int64_t> order;
+    Buffer<T> S, mx, sum, G, Ke, Ve, Qb, Sb, Ob, lse, a, w, Kb, Vb;
+    Buffer<bf16> Ha, Hl, Hb;  // bfloat16 products: an A operand, landmark rows, a VNNI B operand
+    Buffer<Key> keys, block_keys;
+    Buffer<int32_t> index;
+    Buffer<int64_t> order;
     Scratch(const Forward& f, int64_t rows)
         : S(rows * kKeyBlock), mx(rows), sum(rows), G(kQueryBlock * padded_ld<T>(f.m)), Ke(f.topk * f.D), Ve(f.topk * f.D),
           Qb(padded_ld<T>(kQueryBlock) * f.D), Sb(padded_ld<T>(kQueryBlock) * std::max(f.topk, f.m)), Ob(kQueryBlock * f.D), lse(padded_ld<T>(kQueryBlock)),
@@ -576,7 +577,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           // 0.907 at N = 197, m = k = 25 / 49 (3.2 / 12 times; one thread, copy 1.001-1.003); 1.008 at
           // N = 1,025, m = k = 49 (2.3 times), 1.025 at N = 577, m = k = 25 (1.1 times; Zen 4).
           const bool once = m * topk >= 3 * Nk;
-          std::vector<T> ho(Nq * D), hk(once ? Nk * D : 0), hv(hk.size());
+          Buffer<T> ho(Nq * D), hk(once ? Nk * D : 0), hv(hk.size());
           Forward<T, In> g = f;
           g.O = ho.data();
           g.outr = Rows(D);
@@ -602,7 +603,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         // Half precision: a small head's q, k, v rows converted once, in cache, then read in place
         // as float32 rows by every phase (converted per block, each row was converted twice or more:
         // the forward took 1.07x float32's time at N = 197, Zen 3); its output rows in cache too.
-        std::vector<T> hq(Nq * D), hk(Nk * D), hv(Nk * D), ho(Nq * D);
+        Buffer<T> hq(Nq * D), hk(Nk * D), hv(Nk * D), ho(Nq * D);
         const Forward<T, T> g = f.on_rows(hq.data(), hk.data(), hv.data(), ho.data());
         typename Forward<T, T>::Scratch sc(g, m);
         for (int64_t x = begin; x < end; ++x) {

@@ -410,7 +410,7 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, int64_t
 }
 
 // bfloat16 products (issue 29). Where the CPU multiplies bfloat16 in hardware (AVX512-BF16's
-// vdpbf16ps; AMX only when asked: fused.bf16_products), fused.py defines MITA_BF16_PRODUCTS and
+// vdpbf16ps, AMX's tiles: fused.bf16_products), fused.py defines MITA_BF16_PRODUCTS and
 // the forward of bfloat16 inputs computes four of its six products (forward.h says which), and the
 // backward of a large head its score products (backward.h), from bfloat16 operands with float32
 // accumulation through ATen's brgemm (oneDNN's JIT micro-kernels) instead of converting its blocks
