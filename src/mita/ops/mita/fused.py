@@ -15,7 +15,7 @@ kernels as they are, without whole-tensor copies. The kernels convert each block
 float32 scratch (a key block, a query block, an expert's gathered rows; small experts convert as
 they load), compute every product, softmax and merge in float32, and round the output (and dq,
 dk, dv) into the input dtype; the landmarks, v~ and log-sum-exps stay float32. Where the CPU
-multiplies bfloat16 in hardware (:func:`bf16_products`: AVX512-BF16; AMX not yet), the bfloat16 forward
+multiplies bfloat16 in hardware (:func:`bf16_products`: AVX512-BF16 or AMX), the bfloat16 forward
 instead multiplies bfloat16 operands with float32 accumulation (``at::native::cpublas::brgemm`` on
 VNNI-packed operands) in four of its six products: the experts' scores and shared values, the gate's
 scores and the routed scores; the gate's shared output and the routed output stay float32 (their
