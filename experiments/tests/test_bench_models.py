@@ -73,6 +73,21 @@ def test_vit_measure_rows(mode):
     assert (rows[0]["steps/s"] == "") == (mode == "infer")
 
 
+def test_vit_bfloat16_runs_both_models_under_autocast(monkeypatch):
+    """--dtype bfloat16: the attention inputs reach MiTA's op in bfloat16 (CPU autocast), rows say so."""
+    pytest.importorskip("timm")
+    import mita.layers.mita as layer
+
+    seen = []
+    real = layer.mita_attention
+    monkeypatch.setattr(layer, "mita_attention", lambda q, *a, **k: seen.append(q.dtype) or real(q, *a, **k))
+    rows = vit.measure(TINY, vit.Size(32, 1, 4, 4), "infer", 1, model_kwargs={"depth": 2}, dtype="bfloat16")
+    assert all(r["dtype"] == "bfloat16" and r["finite"] for r in rows)
+    assert seen and set(seen) == {torch.bfloat16}
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        vit.measure(TINY, vit.Size(32, 1, 4, 4), "infer", 1, model_kwargs={"depth": 2}, dtype="float16")
+
+
 def test_vit_variants_share_weights_and_differ_in_attention():
     pytest.importorskip("timm")
     models = vit.variants(TINY, vit.Size(32, 1, 4, 4), {"depth": 2})
@@ -92,7 +107,7 @@ def test_vit_writes_results_and_refuses_a_non_empty_out(tmp_path, capsys):
     assert {(r["px"], r["mode"], r["attention"]) for r in rows} >= {("64", "train", "mita m=4 k=8")}
     assert all(r["finite"] == "True" and float(r["images/s"]) > 0 and r["machine"] for r in rows)
     text = (out / "results.md").read_text()
-    assert "| deit_tiny_patch16_224 | 32 | 5 | 1 | infer | timm |" in text and "Machine:" in text
+    assert "| deit_tiny_patch16_224 | 32 | 5 | 1 | infer | float32 | timm |" in text and "Machine:" in text
     assert f"Command: `mita bench vit --models {TINY}" in text and "--sizes 32:1:4 64:2:4:8" in text
     assert "results in" in capsys.readouterr().out
     assert main(argv) == 2  # a non-empty --out is refused before any work, unless --force

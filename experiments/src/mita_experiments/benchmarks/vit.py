@@ -18,8 +18,10 @@ MiTA approximates attention, so the outputs differ; what is checked is that they
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,8 +38,10 @@ MODES = ("infer", "train")
 BASELINE = "timm"  # the unconverted model's name in the rows
 LR, WEIGHT_DECAY = 5e-4, 0.05  # DeiT's AdamW; the values do not change the time of a step
 HELP = "a whole timm ViT converted to MiTA against itself unconverted: images/s, steps/s"
+DTYPES = ("float32", "bfloat16")
 METHOD = (
-    "Random weights, float32, {threads} torch threads. Each round times one call of each model, "
+    "Random weights, float32 (with --dtype bfloat16: under torch.autocast, as timm's --amp-dtype "
+    "bfloat16), {threads} torch threads. Each round times one call of each model, "
     "alternating, after one warm-up call each; the seconds are the median over the rounds and the "
     "speed-up is over the unconverted model measured in the same process. infer: a forward in eval "
     "mode under torch.inference_mode(); train: forward, cross-entropy, backward and an AdamW step. "
@@ -130,26 +134,34 @@ def variants(name: str, size: Size, model_kwargs: dict[str, Any], seed: int = 0)
     return {BASELINE: base, "mita": converted}
 
 
-def inference_call(model: torch.nn.Module, images: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """One forward of ``images`` in eval mode under inference mode; returns the logits."""
+def _precision(dtype: str) -> contextlib.AbstractContextManager:
+    """float32: nothing; bfloat16: CPU autocast, as mixed-precision inference and training run."""
+    return torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bfloat16" else contextlib.nullcontext()
+
+
+def inference_call(model: torch.nn.Module, images: torch.Tensor, dtype: str = "float32") -> Callable[[], torch.Tensor]:
+    """One forward of ``images`` in eval mode under inference mode (and autocast for bfloat16); returns the logits."""
     model.eval()
 
     def forward() -> torch.Tensor:
-        with torch.inference_mode():
+        with torch.inference_mode(), _precision(dtype):
             return model(images)
 
     return forward
 
 
-def training_call(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """One training step of ``model`` (train mode, its own AdamW): forward, cross-entropy on ``labels``,
-    backward, optimizer step; returns the loss."""
+def training_call(
+    model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, dtype: str = "float32"
+) -> Callable[[], torch.Tensor]:
+    """One training step of ``model`` (train mode, its own AdamW): forward and cross-entropy on
+    ``labels`` (under autocast for bfloat16), backward, optimizer step; returns the loss."""
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
 
     def step() -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(images), labels)
+        with _precision(dtype):
+            loss = F.cross_entropy(model(images), labels)
         loss.backward()
         optimizer.step()
         return loss.detach()
@@ -165,6 +177,7 @@ def measure(
     *,
     model_kwargs: dict[str, Any] | None = None,
     on_round: OnRound | None = None,
+    dtype: str = "float32",
 ) -> list[dict[str, Any]]:
     """The rows of one model, size and mode: the unconverted model first, then MiTA.
 
@@ -175,14 +188,21 @@ def measure(
         rounds: timed rounds, one call of each variant each.
         model_kwargs: extra ``timm.create_model`` options (``depth=2`` for quick tests).
         on_round: progress callback of :func:`~mita_experiments.benchmarks.timing.alternating_rounds`.
+        dtype: ``"float32"`` (default) or ``"bfloat16"`` (both models under CPU autocast).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     models = variants(name, size, model_kwargs or {})
     gen = torch.Generator().manual_seed(1)
     images = torch.randn(size.batch, 3, size.image, size.image, generator=gen)
     labels = torch.randint(0, models[BASELINE].num_classes, (size.batch,), generator=gen)
-    make = inference_call if mode == "infer" else lambda m, x: training_call(m, x, labels)
+    make = (
+        functools.partial(inference_call, dtype=dtype)
+        if mode == "infer"
+        else functools.partial(training_call, labels=labels, dtype=dtype)
+    )
     timed = side_by_side({v: make(m, images) for v, m in models.items()}, rounds, BASELINE, on_round)
     base = models[BASELINE]  # tokens: the patches, the prefix (CLS, registers) and any suffix (ViT-5's registers)
     ends = int(getattr(base, "num_prefix_tokens", 0)) + int(getattr(base, "num_suffix_tokens", 0))
@@ -194,6 +214,7 @@ def measure(
             "N": tokens,
             "batch": size.batch,
             "mode": mode,
+            "dtype": dtype,
             "attention": variant if variant == BASELINE else f"mita m={size.landmarks} k={size.topk}",
             "seconds (median)": t["median"],
             "images/s": size.batch / t["median"],
@@ -219,6 +240,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="infer: a forward; train: a step")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (one call of each model per round)")
     p.add_argument("--model-args", help="extra create_model options for every model, e.g. 'depth=2'")
+    p.add_argument(
+        "--dtype", default="float32", choices=DTYPES, help="bfloat16: both models under CPU autocast (default float32)"
+    )
     add_common_arguments(p)
 
 
@@ -231,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
         (
             f"{name} {size.image} px {mode}",
             lambda on_round, name=name, size=size, mode=mode: measure(
-                name, size, mode, args.rounds, model_kwargs=kwargs, on_round=on_round
+                name, size, mode, args.rounds, model_kwargs=kwargs, on_round=on_round, dtype=args.dtype
             ),
         )
         for name in args.models
