@@ -24,7 +24,7 @@ def _cpu_model() -> str:
 # Process settings that move CPU timings: the allocator (glibc's heap trimming and mmap threshold, a
 # preloaded jemalloc or tcmalloc) decides whether each call's outputs are fresh pages, which on a VM
 # cost 1-2 us per 4 KiB page (docs/performance.md, "Fresh memory"); MITA_CPU_CACHE_MB is the limit of
-# the freed outputs the fused MiTA kernels keep for reuse.
+# the freed outputs and scratch the fused MiTA kernels keep for reuse.
 MEMORY_ENV = (
     "MITA_CPU_CACHE_MB",
     "LD_PRELOAD",

@@ -176,7 +176,7 @@ def unavailable_reason() -> str | None:
 
 
 def empty_cache() -> int:
-    """Give the freed output blocks the kernels keep back to the system; returns how many bytes that was."""
+    """Give the freed blocks the kernels keep (outputs, scratch) back to the system; returns how many bytes that was."""
     if not available():
         return 0
     held, limit = torch.ops.mita.kept_memory()

@@ -52,13 +52,14 @@ class KeptBlocks final : public c10::Allocator {
 
   c10::DataPtr allocate(size_t n) override {
     if (n < kMinBlock) return c10::GetCPUAllocator()->allocate(n);
-    const size_t size = (n + kPage - 1) / kPage * kPage;
-    void* p = take(size);
+    void* p = take(n);
     c10::profiledCPUMemoryReporter().New(p, n);
-    return {p, new Block{p, size}, &KeptBlocks::release, c10::Device(c10::DeviceType::CPU)};
+    return {p, new Block{p, n}, &KeptBlocks::release, c10::Device(c10::DeviceType::CPU)};
   }
-  // A block of `size` bytes (whole pages): a kept one of that size, else a new one.
-  void* take(size_t size) {
+  // n bytes: under kMinBlock from c10::alloc_cpu, else whole pages, a kept block of that size if any.
+  void* take(size_t n) {
+    if (n < kMinBlock) return c10::alloc_cpu(n);
+    const size_t size = pages(n);
     {
       std::lock_guard<std::mutex> lock(mutex_);
       const auto it = free_.find(size);
@@ -73,9 +74,10 @@ class KeptBlocks final : public c10::Allocator {
     trim(size);  // a size not kept: room for it first (the shapes changed)
     return c10::alloc_cpu(size);
   }
-  // Keeps a block from take() for the next request of its size, or frees it when the limit is reached.
-  void give(void* p, size_t size) {
-    {
+  // Gives back p = take(n): kept for the next request of its size, or freed (small, or over the limit).
+  void give(void* p, size_t n) {
+    if (n >= kMinBlock) {
+      const size_t size = pages(n);
       std::lock_guard<std::mutex> lock(mutex_);
       if (held_ + size <= limit_) {
         free_[size].push_back(p);
@@ -110,16 +112,18 @@ class KeptBlocks final : public c10::Allocator {
     return size_t(std::stoull(value)) << 20;
   }
 
+  static size_t pages(size_t n) { return (n + kPage - 1) / kPage * kPage; }
+
   struct Block {
     void* p;
-    size_t size;
+    size_t bytes;
   };
 
   static void release(void* ctx) {
     const Block b = *static_cast<Block*>(ctx);
     delete static_cast<Block*>(ctx);
     c10::profiledCPUMemoryReporter().Delete(b.p);
-    get().give(b.p, b.size);
+    get().give(b.p, b.bytes);
   }
   // Frees kept blocks, the largest first, until `room` more bytes fit under the limit.
   void trim(size_t room) {
@@ -162,21 +166,8 @@ struct Kept {
   Kept() = default;
   template <typename U>
   Kept(const Kept<U>&) {}
-  static size_t bytes(size_t n) {
-    const size_t b = n * sizeof(T);
-    return b < KeptBlocks::kMinBlock ? b : (b + KeptBlocks::kPage - 1) / KeptBlocks::kPage * KeptBlocks::kPage;
-  }
-  T* allocate(size_t n) {
-    const size_t b = bytes(n);
-    return static_cast<T*>(b < KeptBlocks::kMinBlock ? c10::alloc_cpu(b) : KeptBlocks::get().take(b));
-  }
-  void deallocate(T* p, size_t n) {
-    const size_t b = bytes(n);
-    if (b < KeptBlocks::kMinBlock)
-      c10::free_cpu(p);
-    else
-      KeptBlocks::get().give(p, b);
-  }
+  T* allocate(size_t n) { return static_cast<T*>(KeptBlocks::get().take(n * sizeof(T))); }
+  void deallocate(T* p, size_t n) { KeptBlocks::get().give(p, n * sizeof(T)); }
   template <typename U>
   bool operator==(const Kept<U>&) const { return true; }
 };
