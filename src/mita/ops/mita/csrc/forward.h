@@ -49,6 +49,9 @@ struct Forward {
   // Half precision, a small head by bfloat16 products: its key and value rows also in float32 (rows D
   // apart), read in place by the small routed experts; where null, each converts its own kk rows.
   const T *Kf = nullptr, *Vf = nullptr;
+  // bfloat16 products on large heads: each head's shared operands packed once (pack_shared), X
+  // heads of shared_size(); null: head() packs a small head's into its scratch (Scratch::Hs).
+  bf16* shared = nullptr;
   // Merged duplicate keys (merge_duplicates): each key's logit offset, (B, Hkv, Nk), -inf on the copies
   // a group's first key stands for and on padded keys; key_mask is then per kv head (B, Hkv, Nk),
   // the keys with a finite offset. Null without: key_mask is (B, Nk), one row a batch element.
@@ -63,7 +66,7 @@ struct Forward {
   // keys and values converted from half precision, else empty).
   struct Scratch {
     Buffer<T> S, mx, sum, G, Ke, Ve, Qb, Sb, Ob, lse, a, w, Kb, Vb;
-    Buffer<bf16> Ha, Hl, Hb;  // bfloat16 products: an A operand, landmark rows, a VNNI B operand
+    Buffer<bf16> Ha, Hl, Hb, Hv, Hs;  // bfloat16 products: an A operand, rows, VNNI B operands, pack_shared
     Buffer<Key> keys, block_keys;
     Buffer<int32_t> index;
     Buffer<int64_t> order;
@@ -74,10 +77,12 @@ struct Forward {
           block_keys(kKeyBlock), index(rows * (f.topk + kKeyBlock + 2 * Vectorized<Key>::size())), order(f.m),
           Kb(kHalf ? kKeyBlock * f.D : 0), Vb(kHalf ? kKeyBlock * f.D : 0) {
       if (f.bf16_path()) {
-        const int64_t n = std::max({kKeyBlock, f.m, f.topk}) + 2;
+        const int64_t n = std::max({kKeyBlock, 2 * f.m, f.topk}) + 2;
         Ha.resize(std::max(rows, kQueryBlock) * std::max(n, f.D));
-        Hl.resize(std::max(rows, f.m) * f.D);
+        Hl.resize(std::max(rows, 2 * f.m) * f.D);
         Hb.resize(n * f.D);
+        Hv.resize((f.topk + 1) * f.D);
+        if (f.by_head) Hs.resize(f.shared_size());
       }
     }
   };
@@ -193,12 +198,11 @@ struct Forward {
     const bool* qm = query_mask ? query_mask + (x / H) * Nq : nullptr;
     const int64_t ld = padded_ld<T>(m), W = V::size();
     T* G = sc.G.data();
+    [[maybe_unused]] const bf16* packed = nullptr;
     if constexpr (kBf16)
-      if (bf16_path()) {  // the landmarks rounded to bfloat16, G = Q L^T with the query rows read in place
-        bf16* Lb = sc.Hl.data();
-        rows_to_bf16(L + x * m * D, m, D, D, Lb, D);
-        vnni_from_columns(D, m, [&](int64_t j) { return Lb + j * D; }, sc.Hb.data());
-        gemm_bf16(nq, m, D, qx(x) + t0 * qr.st, qr.st, sc.Hb.data(), false, G, ld);
+      if (bf16_path()) {  // G = Q L^T with the query rows read in place, the landmarks rounded
+        packed = shared ? shared + x * shared_size() : sc.Hs.data();
+        gemm_bf16(nq, m, D, qx(x) + t0 * qr.st, qr.st, packed, false, G, ld);
       }
     if (!bf16_path()) {
       int64_t lq = qr.st;
@@ -316,7 +320,37 @@ struct Forward {
         LT[x * Nq + t] = T(0);
       }
     log_add(sc.w.data(), sc.a.data(), LSE + x * Nq + t0, nq);  // lse = max + log(sum)
+    if constexpr (kBf16)
+      if (bf16_path() && !by_head) {
+        // G V_S = [G | G] [V_hi; V_lo], G rounded to bfloat16 as the routed probabilities are, V_S
+        // (float32, pooled) split in two halves (pack_shared): one product, as each brgemm call of
+        // another shape costs about 2 us here (its kernel looked up, AMX's tiles configured). Small
+        // heads keep the float32 product: through bfloat16 they took 1.02 of that at N = 197 and 1,025.
+        const int64_t m2 = m + m % 2;
+        bf16* A = sc.Ha.data();
+        rows_to_bf16(G, nq, m, ld, A, 2 * m2);
+        for (int64_t i = 0; i < nq; ++i) std::copy(A + i * 2 * m2, A + i * 2 * m2 + m2, A + i * 2 * m2 + m2);
+        gemm_bf16(nq, D, 2 * m2, A, 2 * m2, packed + D * m, false, ox(x) + t0 * outr.st, outr.st);
+        return;
+      }
     gemm<T>(false, false, nq, D, m, G, ld, VS + x * m * D, D, false, ox(x) + t0 * outr.st, outr.st);
+  }
+
+  // Head x's operands of the gate and the shared branch, bfloat16 for their products: L^T as VNNI
+  // (D x m), then (large heads) V_S split as hi + lo (split_bf16) in VNNI, [V_hi; V_lo] (2 m2 x D).
+  int64_t shared_size() const { return D * m + 2 * (m + m % 2) * D; }
+  void pack_shared(int64_t x, bf16* dst, Scratch& sc) const {
+    if constexpr (kBf16) {
+      const int64_t m2 = m + m % 2;
+      bf16 *Lb = sc.Hl.data(), *Vh = Lb, *Vl = Lb + m * D;
+      rows_to_bf16(L + x * m * D, m, D, D, Lb, D);
+      vnni_from_columns(D, m, [&](int64_t j) { return Lb + j * D; }, dst);
+      if (by_head) return;
+      for (int64_t j = 0; j < m; ++j) split_bf16(VS + (x * m + j) * D, D, Vh + j * D, Vl + j * D);
+      bf16* Bv = dst + D * m;
+      vnni_from_rows(m, D, [&](int64_t j) { return static_cast<const bf16*>(Vh + j * D); }, Bv);
+      vnni_from_rows(m, D, [&](int64_t j) { return static_cast<const bf16*>(Vl + j * D); }, Bv + m2 * D);
+    }
   }
 
   // C: the routed expert e of head x attends its queries; merged into out (s = 1) or kept.
@@ -332,11 +366,13 @@ struct Forward {
     const In* Vx = vx(x);
     T *Ke = sc.Ke.data(), *Ve = sc.Ve.data(), *Qb = sc.Qb.data(), *Sb = sc.Sb.data(), *Ob = sc.Ob.data();
     const int64_t* mem = members + x * Nq * s + st[e];
-    // bfloat16 products (the scores S = Q_e K_e^T from the bfloat16 rows as they are, its keys packed
-    // once as K_e^T) for every expert of a large head; a small head's small experts keep the float32
-    // register tiles (forward 0.875 against 0.910 of float32 at N = 1,025, Zen 4). out = P V_e stays
-    // float32: with P rounded to bfloat16 the output's error against float64 was 1.8x the bfloat16
-    // reference's (N = 2,100, k = 40), against 1.0x so.
+    // bfloat16 products for every expert of a large head: S = Q_e K_e^T from the bfloat16 rows as
+    // they are (K_e^T packed once per expert), out = P V_e with P rounded to bfloat16 as SDPA's and
+    // flash-attn's half-precision paths round it (V_e packed once): at N = 4,096 the output's error
+    // against float64 is 0.9x SDPA bfloat16's (docs/performance.md). With P and G split as hi + lo
+    // instead (float32-accurate), the bfloat16 forward at 4,096 took 0.99 of the one with these two
+    // products in float32, rounded 0.86: the split costs the gain. A small head's small experts keep the float32
+    // register tiles (forward 0.875 against 0.910 of float32 at N = 1,025, Zen 4).
     const bool small = n_e <= kQueryBlock && n_e * kk * D <= kSmallForward;
     const bool bf = bf16_path() && !(by_head && small);
     if (small && !bf) {  // a small expert: in registers, no gathers
@@ -344,12 +380,17 @@ struct Forward {
       merge_block(x, mem, n_e, sc);
       return;
     }
-    for (int64_t i = 0; i < kk; ++i) {
-      if (!bf) to_compute(Kx + keys[i] * kr.st, Ke + i * D, D);
-      to_compute(Vx + keys[i] * vr.st, Ve + i * D, D);
-    }
+    if (!bf)
+      for (int64_t i = 0; i < kk; ++i) {
+        to_compute(Kx + keys[i] * kr.st, Ke + i * D, D);
+        to_compute(Vx + keys[i] * vr.st, Ve + i * D, D);
+      }
+    const int64_t kk2 = kk + kk % 2;
     if constexpr (kBf16)
-      if (bf) vnni_from_columns(D, kk, [&](int64_t j) { return Kx + keys[j] * kr.st; }, sc.Hb.data());
+      if (bf) {
+        vnni_from_columns(D, kk, [&](int64_t j) { return Kx + keys[j] * kr.st; }, sc.Hb.data());
+        vnni_from_rows(kk, D, [&](int64_t j) { return Vx + keys[j] * vr.st; }, sc.Hv.data());
+      }
     for (int64_t i0 = 0; i0 < n_e; i0 += kQueryBlock) {
       const int64_t nb = std::min(kQueryBlock, n_e - i0);
       const auto q = [&](int64_t i) { return qx(x) + (mem[i0 + i] / s) * qr.st; };
@@ -372,7 +413,13 @@ struct Forward {
         sc.a[i] = rm;
       }
       log_add(sc.w.data(), sc.a.data(), sc.lse.data(), nb);
-      gemm<T>(false, false, nb, D, kk, Sb, kk, Ve, D, false, Ob, D);
+      bool pv = false;
+      if constexpr (kBf16)
+        if ((pv = bf)) {
+          rows_to_bf16(Sb, nb, kk, kk, sc.Ha.data(), kk2);
+          gemm_bf16(nb, D, kk2, sc.Ha.data(), kk2, sc.Hv.data(), false, Ob, D);
+        }
+      if (!pv) gemm<T>(false, false, nb, D, kk, Sb, kk, Ve, D, false, Ob, D);
       merge_block(x, mem + i0, nb, sc);
     }
   }
@@ -512,6 +559,7 @@ struct Forward {
   void head(int64_t x, Scratch& sc, const During& during) const {
     pool(x);
     experts(x, 0, m, sc);
+    if (bf16_path()) pack_shared(x, sc.Hs.data(), sc);
     for (int64_t t0 = 0; t0 < Nq; t0 += kQueryBlock) gate(x, t0, std::min(kQueryBlock, Nq - t0), sc);
     group(x);
     for (int64_t e = 0; e < m; ++e) {
@@ -530,20 +578,20 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), Nk = k.size(2), m = lm.size(2), X = B * H;
   const auto opts = lm.options();  // T
-  at::Tensor lse_shared = at::empty({X, Nq}, opts);
+  at::Tensor lse_shared = kept_empty({X, Nq}, opts);
   const int64_t threads = at::get_num_threads();
   // Small heads (q, k, v within about L2) run all their phases in one task, head by head.
   const bool by_head = (Nq + 2 * Nk) * D * int64_t(sizeof(T)) <= kSmallHead && X >= threads;
   constexpr bool half = Forward<T, In>::kHalf;
   // out in T: out itself, or (half precision, large heads) a float32 copy of its layout, rounded
   // into out at the end; small heads in half precision write a head's rows in scratch instead.
-  const at::Tensor out_t = !half ? out : by_head ? at::Tensor() : at::empty({B, Nq, H, D}, opts).transpose(1, 2);
-  at::Tensor count_t = at::empty({X, m + 1}, opts.dtype(at::kLong));
-  at::Tensor members_t = at::empty({X, Nq * s}, opts.dtype(at::kLong));
+  const at::Tensor out_t = !half ? out : by_head ? at::Tensor() : kept_empty({B, Nq, H, D}, opts).transpose(1, 2);
+  at::Tensor count_t = kept_empty({X, m + 1}, opts.dtype(at::kLong));
+  at::Tensor members_t = kept_empty({X, Nq * s}, opts.dtype(at::kLong));
   at::Tensor routed_out, routed_lse;  // s > 1: each (query, route) result, merged after
   if (s > 1) {
-    routed_out = at::empty({X, Nq * s, D}, opts);
-    routed_lse = at::empty({X, Nq * s}, opts);
+    routed_out = kept_empty({X, Nq * s, D}, opts);
+    routed_lse = kept_empty({X, Nq * s}, opts);
   }
   Forward<T, In> f{H, Nq, D, Hkv, Nk, m, H / Hkv, topk, s, static_cast<T>(scale_), static_cast<T>(landmark_scale_),
                    q.data_ptr<In>(), k.data_ptr<In>(), v.data_ptr<In>(), Rows(q), Rows(k), Rows(v), Rows(out),
@@ -640,6 +688,11 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       }
     });
   };
+  at::Tensor shared_t;  // bfloat16 products: each head's gate and shared-branch operands, packed once
+  if (f.bf16_path()) {
+    shared_t = kept_empty({X, f.shared_size()}, opts.dtype(at::kBFloat16));
+    f.shared = reinterpret_cast<bf16*>(shared_t.data_ptr());
+  }
   if (bins) at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
       for (int64_t x = begin; x < end; ++x) f.pool(x);
     });
@@ -652,8 +705,14 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     for (int64_t item = begin; item < end; ++item) {
       const int64_t x = item / chunks, r0 = (item % chunks) * rows, nr = std::min(rows, m - r0);
       if (nr > 0) f.experts(x, r0, nr, sc);
+      if (f.shared && chunks == 1) f.pack_shared(x, f.shared + x * f.shared_size(), sc);
     }
   });
+  if (f.shared && chunks > 1)
+    at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
+      typename Forward<T, In>::Scratch sc(f, 1);
+      for (int64_t x = begin; x < end; ++x) f.pack_shared(x, f.shared + x * f.shared_size(), sc);
+    });
   // Items ordered (batch, query block, head): out is (B, N, H, D) in memory, so each thread writes
   // (and first touches) a range of out of its own instead of every thread every page.
   const int64_t qblocks = (Nq + kQueryBlock - 1) / kQueryBlock;

@@ -411,7 +411,8 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, int64_t
 
 // bfloat16 products (issue 29). Where the CPU multiplies bfloat16 in hardware (AVX512-BF16's
 // vdpbf16ps, AMX's tiles: fused.bf16_products), fused.py defines MITA_BF16_PRODUCTS and
-// the forward of bfloat16 inputs computes four of its six products (forward.h says which), and the
+// the forward of bfloat16 inputs computes its products on large heads (the gate's Q L^T and G V_S,
+// the experts' scores and P V_e; a small head's small experts keep float32 register tiles), and the
 // backward of a large head its score products (backward.h), from bfloat16 operands with float32
 // accumulation through ATen's brgemm (oneDNN's JIT micro-kernels) instead of converting its blocks
 // to float32: on a Zen 4 core, single products of the kernel's shapes (M, N = 25-256, K = 64-256)
@@ -490,6 +491,25 @@ inline void rows_to_bf16(const float* src, int64_t n, int64_t K, int64_t ld_src,
   }
 }
 
+// x as hi + lo, both bfloat16: hi = x rounded to nearest even, lo = the remainder (exact in float32)
+// rounded, so hi + lo holds x to about 2^-17 relative. A product taken as hi B + lo B is then as
+// accurate as a float32 one where B is exact in bfloat16 (values of bfloat16 inputs). Finite x.
+inline __m512i round_bf16(__m512i b) {  // float bits rounded to their upper 16 bits, to nearest even
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  return _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), odd),
+                          _mm512_set1_epi32(int32_t(0xFFFF0000u)));
+}
+inline void split_bf16(const float* src, int64_t K, bf16* hi, bf16* lo) {
+  for (int64_t j = 0; j < K; j += 16) {
+    const __mmask16 in = K - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - j)) - 1);
+    const __m512 x = _mm512_maskz_loadu_ps(in, src + j);
+    const __m512i h = round_bf16(_mm512_castps_si512(x));
+    const __m512i l = round_bf16(_mm512_castps_si512(_mm512_sub_ps(x, _mm512_castsi512_ps(h))));
+    _mm256_mask_storeu_epi16(hi + j, in, _mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
+    _mm256_mask_storeu_epi16(lo + j, in, _mm512_cvtepi32_epi16(_mm512_srli_epi32(l, 16)));
+  }
+}
+
 // C (M x N, row stride ldc) = A B (+ C when `add`): A bfloat16 rows (lda apart), B as VNNI of K2
 // (even) rows by N columns.
 inline void gemm_bf16(int64_t M, int64_t N, int64_t K2, const bf16* A, int64_t lda, const bf16* B, bool add, float* C,
@@ -514,6 +534,7 @@ void vnni_from_columns(int64_t K, int64_t N, const CF& col, bf16* out);
 template <typename RF>
 void vnni_from_rows(int64_t K, int64_t N, const RF& row, bf16* out);
 void rows_to_bf16(const float* src, int64_t n, int64_t K, int64_t ld_src, bf16* dst, int64_t ld);
+void split_bf16(const float* src, int64_t K, bf16* hi, bf16* lo);
 void gemm_bf16(int64_t M, int64_t N, int64_t K2, const bf16* A, int64_t lda, const bf16* B, bool add, float* C,
                int64_t ldc);
 inline bool products_allowed() { return false; }
