@@ -39,18 +39,25 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   // Heads whose q, k, v fit about L2 (the forward's head-by-head ones): converted once in half precision
   // (bfloat16 / float32 backward 1.07 at N = 197 on Zen 3 with the rows converted block by block).
   const bool small = (Nq + 2 * Nk) * D * int64_t(sizeof(T)) <= kSmallHead;
-  // bfloat16 products (as the forward's, products.h) for the score products of a large head whose
-  // operands are bfloat16 rows read in place and the landmarks the forward rounded: Q L^T, K L^T,
-  // Q_e K_e^T, dO V_e^T; every gradient product stays float32.
+  // bfloat16 products (as the forward's, products.h) for every product of a large head: the score
+  // products from bfloat16 rows read in place and the landmarks the forward rounded (Q L^T, K L^T,
+  // Q_e K_e^T, dO V_e^T), the others with their float32 operands rounded to bfloat16 (P, dS, v~ and
+  // its gradient), as PyTorch's CPU flash attention rounds P and dS; sums and softmax in float32.
   constexpr bool bf = kBf16Products && std::is_same_v<In, bf16>;
   const bool use_bf = bf && !small && D % 2 == 0 && products_allowed();
   at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
     const SingleThreadedBlas blas;
     [[maybe_unused]] const std::conditional_t<bf, Bf16Products, bool> release{};
-    // bfloat16 products: the landmarks as rows and as VNNI L^T, gathered query and dout rows, K_e^T and V_e^T.
-    Buffer<bf16> Lb(use_bf ? m * D : 0), Lp(Lb.size()), Qh(use_bf ? kQueryBlock * D : 0), dOh(Qh.size()),
-        Kp(use_bf ? topk * D : 0), Vp(Kp.size());
-    const int64_t nbuf = std::max({padded_ld<T>(kQueryBlock), kKeyBlock, topk});
+    // bfloat16 products: rows rounded (Lb), B operands as VNNI (L^T and L, v~^T, dv~^T and dv~; an
+    // expert's K_e^T, V_e^T and K_e; a block's rows), gathered query and dout rows, A operands
+    // rounded as rows (Ha) or transposed (At).
+    const int64_t nbuf = std::max({padded_ld<T>(kQueryBlock), kKeyBlock, topk}), wide = std::max(m, topk) + 1;
+    const auto bfn = [&](int64_t n) { return use_bf ? n : 0; };
+    Buffer<bf16> Lb(bfn(m * D)), Lp(bfn(m * D)), Lr(bfn((m + 1) * D)), VSp(bfn(m * D)), dvsT(bfn(m * D)),
+        dvsR(bfn((m + 1) * D)), Qh(bfn(kQueryBlock * D)), dOh(Qh.size()), Kp(bfn(topk * D)), Vp(Kp.size()),
+        Kr(bfn((topk + 1) * D)), Ha(bfn(std::max(kQueryBlock, kKeyBlock) * wide)),
+        At(bfn(wide * (std::max(kQueryBlock, kKeyBlock) + 1))), Bq(bfn((std::max(kQueryBlock, kKeyBlock) + 1) * D));
+    [[maybe_unused]] const int64_t m2 = m + m % 2;
     Buffer<T> delta(Nq), dvs(m * D), rowdot(padded_ld<T>(m)), la(rowdot.size()), P(nbuf * std::max(padded_ld<T>(m), topk)), dP(nbuf * std::max(padded_ld<T>(m), topk));
     Buffer<T> Qb(padded_ld<T>(kQueryBlock) * D), dOb(padded_ld<T>(kQueryBlock) * D), dQb(kQueryBlock * D), Ke(topk * D), Ve(topk * D),
         dKe(topk * D), dVe(topk * D);
@@ -120,33 +127,56 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         };
         // (`if constexpr (bf)` first, apart: with the lambda's own `conv` in one condition with it, the
         // condition stayed dependent and clang checked these calls for doubles, an error.)
+        // m rows of D floats rounded into Lb, as VNNI of their transpose (cols) and of themselves (rows).
+        [[maybe_unused]] const auto pack = [&](const T* rows, bf16* cols, bf16* as_rows) {
+          if constexpr (bf) {
+            const auto row = [&](int64_t i) { return static_cast<const bf16*>(Lb.data() + i * D); };
+            rows_to_bf16(rows, m, D, D, Lb.data(), D);
+            if (cols) vnni_from_columns(D, m, row, cols);
+            if (as_rows) vnni_from_rows(m, D, row, as_rows);
+          }
+        };
         if constexpr (bf) {
           if constexpr (conv)
             if (use_bf) {
-              rows_to_bf16(Lx, m, D, D, Lb.data(), D);
-              vnni_from_columns(D, m, [&](int64_t i) { return static_cast<const bf16*>(Lb.data() + i * D); }, Lp.data());
+              pack(Lx, Lp.data(), Lr.data());
+              pack(VSx, VSp.data(), nullptr);
             }
         }
-        // S = A L^T (n x m, row stride ldm) for n rows of A (lda apart; rows in place, and A0 the same
-        // rows as T): bfloat16 products or float32.
-        const auto landmark_scores = [&](const auto* A, int64_t lda, const T* A0, int64_t lda0, int64_t n, T* S) {
-          if constexpr (bf) {
-            if constexpr (conv)
-              if (use_bf) return gemm_bf16(n, m, D, A, lda, Lp.data(), false, S, ldm);
-          }
-          gemm<T>(false, true, n, m, D, A0, lda0, Lx, D, false, S, ldm);
-        };
         for (int64_t t0 = 0; t0 < Nq; t0 += kQueryBlock) {
           const int64_t nq = std::min(kQueryBlock, Nq - t0);
           T *Pq = P.data(), *dPq = dP.data();
+          const auto grads = [&] {
+            logit_grads(
+                Pq, dPq, nq, vls, [&](int64_t i) { return !qm || qm[t0 + i]; },
+                [&](int64_t i, int64_t) { return V(LTx[t0 + i]); }, [&](int64_t i, int64_t) { return V(delta[t0 + i]); });
+          };
+          bool done = false;  // (by bfloat16 products)
+          if constexpr (bf) {
+            if constexpr (conv)
+              if ((done = use_bf)) {
+                const bf16 *Qr = Qx + t0 * qs, *dOr = dOx + t0 * dos;
+                const int64_t nq2 = nq + nq % 2;
+                gemm_bf16(nq, m, D, Qr, qs, Lp.data(), false, Pq, ldm);
+                gemm_bf16(nq, m, D, dOr, dos, VSp.data(), false, dPq, ldm);
+                grads();
+                rows_to_bf16(dPq, nq, m, ldm, Ha.data(), m2);
+                gemm_bf16(nq, D, m2, Ha.data(), m2, Lr.data(), false, dQx + t0 * D, D);
+                columns_to_bf16(dPq, nq, m, ldm, At.data(), nq2);
+                vnni_from_rows(nq, D, [&](int64_t i) { return Qr + i * qs; }, Bq.data());
+                gemm_bf16(m, D, nq2, At.data(), nq2, Bq.data(), true, dLx, D);
+                columns_to_bf16(Pq, nq, m, ldm, At.data(), nq2);
+                vnni_from_rows(nq, D, [&](int64_t i) { return dOr + i * dos; }, Bq.data());
+                gemm_bf16(m, D, nq2, At.data(), nq2, Bq.data(), true, dvs.data(), D);
+              }
+          }
+          if (done) continue;
           int64_t lq = qs, ldo = dos;
           const T* Qt0 = rows_as(Qx + t0 * qs, nq, D, lq, Qb.data());
           const T* dOt0 = rows_as(dOx + t0 * dos, nq, D, ldo, dOb.data());
-          landmark_scores(Qx + t0 * qs, qs, Qt0, lq, nq, Pq);
+          gemm<T>(false, true, nq, m, D, Qt0, lq, Lx, D, false, Pq, ldm);
           gemm<T>(false, true, nq, m, D, dOt0, ldo, VSx, D, false, dPq, ldm);
-          logit_grads(
-              Pq, dPq, nq, vls, [&](int64_t i) { return !qm || qm[t0 + i]; },
-              [&](int64_t i, int64_t) { return V(LTx[t0 + i]); }, [&](int64_t i, int64_t) { return V(delta[t0 + i]); });
+          grads();
           gemm<T>(false, false, nq, D, m, dPq, ldm, Lx, D, false, dQx + t0 * D, D);
           gemm<T>(true, false, m, D, nq, dPq, ldm, Qt0, lq, true, dLx, D);
           gemm<T>(true, false, m, D, nq, Pq, ldm, dOt0, ldo, true, dvs.data(), D);
@@ -158,23 +188,53 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         // every key, so it writes the head's dk and dv rows first (no zero-fill of them).
         for (int64_t i = 0; i < m; ++i) rowdot[i] = row_dot<T>(dvs.data() + i * D, VSx + i * D, D);
         std::copy(LA + x * m, LA + (x + 1) * m, la.begin());  // (both padded to whole vectors)
+        if constexpr (bf) {
+          if constexpr (conv)
+            if (use_bf) pack(dvs.data(), dvsT.data(), dvsR.data());
+        }
         for (int64_t j0 = 0; j0 < Nk; j0 += kKeyBlock) {
           const int64_t nb = std::min(kKeyBlock, Nk - j0);
+          T *Pk = P.data(), *dPk = dP.data();
+          const auto offset_logits = [&] {
+            if (off)  // as the forward's A + offset / s0 (padded keys and copies are zeroed below)
+              for (int64_t j = 0; j < nb; ++j) {
+                const V o(off[j0 + j] * inv_scale);
+                for (int64_t e = 0; e < ldm; e += V::size()) (V::loadu(Pk + j * ldm + e) + o).store(Pk + j * ldm + e);
+              }
+          };
+          const auto grads = [&] {
+            logit_grads(
+                Pk, dPk, nb, vs0, [&](int64_t j) { return !km || km[j0 + j]; },
+                [&](int64_t, int64_t e) { return V::loadu(la.data() + e); },
+                [&](int64_t, int64_t e) { return V::loadu(rowdot.data() + e); });
+          };
+          bool done = false;  // (by bfloat16 products)
+          if constexpr (bf) {
+            if constexpr (conv)
+              if ((done = use_bf)) {
+                const bf16 *Kr0 = Kx + j0 * ks, *Vr0 = Vx + j0 * vs;
+                const int64_t nb2 = nb + nb % 2;
+                gemm_bf16(nb, m, D, Kr0, ks, Lp.data(), false, Pk, ldm);
+                offset_logits();
+                gemm_bf16(nb, m, D, Vr0, vs, dvsT.data(), false, dPk, ldm);
+                grads();
+                rows_to_bf16(Pk, nb, m, ldm, Ha.data(), m2);
+                gemm_bf16(nb, D, m2, Ha.data(), m2, dvsR.data(), false, dVx + j0 * D, D);
+                rows_to_bf16(dPk, nb, m, ldm, Ha.data(), m2);
+                gemm_bf16(nb, D, m2, Ha.data(), m2, Lr.data(), false, dKx + j0 * D, D);
+                columns_to_bf16(dPk, nb, m, ldm, At.data(), nb2);
+                vnni_from_rows(nb, D, [&](int64_t j) { return Kr0 + j * ks; }, Bq.data());
+                gemm_bf16(m, D, nb2, At.data(), nb2, Bq.data(), true, dLx, D);
+              }
+          }
+          if (done) continue;
           int64_t lk = ks, lv = vs;
           const T* Kt0 = rows_as(Kx + j0 * ks, nb, D, lk, Kb.data());
           const T* Vt0 = rows_as(Vx + j0 * vs, nb, D, lv, Vb.data());
-          T *Pk = P.data(), *dPk = dP.data();
-          landmark_scores(Kx + j0 * ks, ks, Kt0, lk, nb, Pk);
-          if (off)  // as the forward's A + offset / s0 (padded keys and copies are zeroed below)
-            for (int64_t j = 0; j < nb; ++j) {
-              const V o(off[j0 + j] * inv_scale);
-              for (int64_t e = 0; e < ldm; e += V::size()) (V::loadu(Pk + j * ldm + e) + o).store(Pk + j * ldm + e);
-            }
+          gemm<T>(false, true, nb, m, D, Kt0, lk, Lx, D, false, Pk, ldm);
+          offset_logits();
           gemm<T>(false, true, nb, m, D, Vt0, lv, dvs.data(), D, false, dPk, ldm);
-          logit_grads(
-              Pk, dPk, nb, vs0, [&](int64_t j) { return !km || km[j0 + j]; },
-              [&](int64_t, int64_t e) { return V::loadu(la.data() + e); },
-              [&](int64_t, int64_t e) { return V::loadu(rowdot.data() + e); });
+          grads();
           gemm<T>(false, false, nb, D, m, Pk, ldm, dvs.data(), D, false, dVx + j0 * D, D);
           gemm<T>(false, false, nb, D, m, dPk, ldm, Lx, D, false, dKx + j0 * D, D);
           gemm<T>(true, false, m, D, nb, dPk, ldm, Kt0, lk, true, dLx, D);
@@ -263,30 +323,29 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             with_lanes<T, std::decay_t<decltype(*Kx)>>(n_e, small_expert);
             continue;
           }
-          for (int64_t i = 0; i < kk; ++i) {
-            to_compute(Kx + keys[i] * ks, Ke.data() + i * D, D);
-            if (!(conv && use_bf)) to_compute(Vx + keys[i] * vs, Ve.data() + i * D, D);  // (only dP = dO V_e^T reads it)
-          }
-          std::fill(dKe.begin(), dKe.end(), T(0));
-          std::fill(dVe.begin(), dVe.end(), T(0));
+          bool done = false;  // (by bfloat16 products: K_e^T, V_e^T and K_e packed, the block's rows gathered)
+          [[maybe_unused]] const int64_t kk2 = kk + kk % 2;
           if constexpr (bf) {
             if constexpr (conv)
-              if (use_bf) {
-                vnni_from_columns(D, kk, [&](int64_t j) { return Kx + keys[j] * ks; }, Kp.data());
+              if ((done = use_bf)) {
+                const auto krow = [&](int64_t j) { return Kx + keys[j] * ks; };
+                vnni_from_columns(D, kk, krow, Kp.data());
                 vnni_from_columns(D, kk, [&](int64_t j) { return Vx + keys[j] * vs; }, Vp.data());
+                vnni_from_rows(kk, D, krow, Kr.data());
               }
           }
+          if (!done)
+            for (int64_t i = 0; i < kk; ++i) {
+              to_compute(Kx + keys[i] * ks, Ke.data() + i * D, D);
+              to_compute(Vx + keys[i] * vs, Ve.data() + i * D, D);
+            }
+          std::fill(dKe.begin(), dKe.end(), T(0));
+          std::fill(dVe.begin(), dVe.end(), T(0));
           for (int64_t i0 = 0; i0 < n_e; i0 += kQueryBlock) {
             const int64_t nb = std::min(kQueryBlock, n_e - i0);
-            for (int64_t i = 0; i < nb; ++i) {
-              const int64_t t = mem[i0 + i] / s;
-              to_compute(Qx + t * qs, Qb.data() + i * D, D);
-              to_compute(dOx + t * dos, dOb.data() + i * D, D);
-            }
-            bool done = false;  // (by bfloat16 products)
             if constexpr (bf) {
               if constexpr (conv)
-                if ((done = use_bf)) {
+                if (done) {
                   for (int64_t i = 0; i < nb; ++i) {
                     const int64_t t = mem[i0 + i] / s;
                     std::copy(Qx + t * qs, Qx + t * qs + D, Qh.data() + i * D);
@@ -297,6 +356,11 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
                 }
             }
             if (!done) {
+              for (int64_t i = 0; i < nb; ++i) {
+                const int64_t t = mem[i0 + i] / s;
+                to_compute(Qx + t * qs, Qb.data() + i * D, D);
+                to_compute(dOx + t * dos, dOb.data() + i * D, D);
+              }
               gemm<T>(false, true, nb, kk, D, Qb.data(), D, Ke.data(), D, false, P.data(), kk);
               gemm<T>(false, true, nb, kk, D, dOb.data(), D, Ve.data(), D, false, dP.data(), kk);
             }
@@ -308,6 +372,22 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
               probs(p, kk, scale, LTx[t]);
               for (int64_t j = 0; j < kk; ++j) dp[j] = scale * p[j] * (dp[j] - delta[t]);
             }
+            if constexpr (bf) {
+              if constexpr (conv)
+                if (done) {
+                  const int64_t nb2 = nb + nb % 2;
+                  rows_to_bf16(dP.data(), nb, kk, kk, Ha.data(), kk2);
+                  gemm_bf16(nb, D, kk2, Ha.data(), kk2, Kr.data(), false, dQb.data(), D);
+                  add_dq(mem + i0, nb);
+                  columns_to_bf16(dP.data(), nb, kk, kk, At.data(), nb2);
+                  vnni_from_rows(nb, D, [&](int64_t i) { return static_cast<const bf16*>(Qh.data() + i * D); }, Bq.data());
+                  gemm_bf16(kk, D, nb2, At.data(), nb2, Bq.data(), true, dKe.data(), D);
+                  columns_to_bf16(P.data(), nb, kk, kk, At.data(), nb2);
+                  vnni_from_rows(nb, D, [&](int64_t i) { return static_cast<const bf16*>(dOh.data() + i * D); }, Bq.data());
+                  gemm_bf16(kk, D, nb2, At.data(), nb2, Bq.data(), true, dVe.data(), D);
+                }
+            }
+            if (done) continue;
             gemm<T>(false, false, nb, D, kk, dP.data(), kk, Ke.data(), D, false, dQb.data(), D);
             add_dq(mem + i0, nb);
             gemm<T>(true, false, kk, D, nb, dP.data(), kk, Qb.data(), D, true, dKe.data(), D);

@@ -491,22 +491,48 @@ inline void rows_to_bf16(const float* src, int64_t n, int64_t K, int64_t ld_src,
   }
 }
 
-// x as hi + lo, both bfloat16: hi = x rounded to nearest even, lo = the remainder (exact in float32)
-// rounded, so hi + lo holds x to about 2^-17 relative. A product taken as hi B + lo B is then as
-// accurate as a float32 one where B is exact in bfloat16 (values of bfloat16 inputs). Finite x.
+// 16 floats as 16 bfloat16 (rounded to nearest even, NaN kept a quiet NaN), as at::vec::convert
+// rounds, in registers.
 inline __m512i round_bf16(__m512i b) {  // float bits rounded to their upper 16 bits, to nearest even
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
   return _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), odd),
                           _mm512_set1_epi32(int32_t(0xFFFF0000u)));
 }
+inline __m256i to_bf16(__m512 x) {
+  const __m512i h = _mm512_srli_epi32(round_bf16(_mm512_castps_si512(x)), 16);
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), h, _mm512_set1_epi32(0x7FC0)));
+}
+
+// x as hi + lo, both bfloat16: hi = x rounded to nearest even, lo = the remainder (exact in float32)
+// rounded, so hi + lo holds x to about 2^-17 relative. A product taken as hi B + lo B is then as
+// accurate as a float32 one where B is exact in bfloat16 (values of bfloat16 inputs). Finite x.
 inline void split_bf16(const float* src, int64_t K, bf16* hi, bf16* lo) {
   for (int64_t j = 0; j < K; j += 16) {
     const __mmask16 in = K - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - j)) - 1);
     const __m512 x = _mm512_maskz_loadu_ps(in, src + j);
     const __m512i h = round_bf16(_mm512_castps_si512(x));
-    const __m512i l = round_bf16(_mm512_castps_si512(_mm512_sub_ps(x, _mm512_castsi512_ps(h))));
     _mm256_mask_storeu_epi16(hi + j, in, _mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
-    _mm256_mask_storeu_epi16(lo + j, in, _mm512_cvtepi32_epi16(_mm512_srli_epi32(l, 16)));
+    _mm256_mask_storeu_epi16(lo + j, in, to_bf16(_mm512_sub_ps(x, _mm512_castsi512_ps(h))));
+  }
+}
+
+// dst (K rows of ld >= n + n % 2, bfloat16) = src^T rounded, for src n rows of K floats (ld_src
+// apart), a zero column appended where n is odd: a transposed A operand (P^T, dS^T against rows of
+// queries or keys), by 16 x 16 blocks transposed in registers.
+inline void columns_to_bf16(const float* src, int64_t n, int64_t K, int64_t ld_src, bf16* dst, int64_t ld) {
+  using V = Vectorized<float>;
+  constexpr int W = V::size();
+  const int64_t n2 = n + n % 2;
+  for (int64_t i0 = 0; i0 < n2; i0 += W) {
+    const int64_t nr = std::min<int64_t>(W, n - i0);
+    const __mmask16 out = __mmask16((1u << std::min<int64_t>(W, n2 - i0)) - 1);
+    for (int64_t k0 = 0; k0 < K; k0 += W) {
+      const int64_t nc = std::min<int64_t>(W, K - k0);
+      V r[W];
+      MITA_UNROLL for (int w = 0; w < W; ++w) r[w] = w < nr ? V::loadu(src + (i0 + w) * ld_src + k0, nc) : V(0.f);
+      transpose_block(r);
+      for (int64_t c = 0; c < nc; ++c) _mm256_mask_storeu_epi16(dst + (k0 + c) * ld + i0, out, to_bf16(r[c]));
+    }
   }
 }
 
@@ -535,6 +561,7 @@ template <typename RF>
 void vnni_from_rows(int64_t K, int64_t N, const RF& row, bf16* out);
 void rows_to_bf16(const float* src, int64_t n, int64_t K, int64_t ld_src, bf16* dst, int64_t ld);
 void split_bf16(const float* src, int64_t K, bf16* hi, bf16* lo);
+void columns_to_bf16(const float* src, int64_t n, int64_t K, int64_t ld_src, bf16* dst, int64_t ld);
 void gemm_bf16(int64_t M, int64_t N, int64_t K2, const bf16* A, int64_t lda, const bf16* B, bool add, float* C,
                int64_t ldc);
 inline bool products_allowed() { return false; }
