@@ -601,21 +601,30 @@ def _max_rel(a: torch.Tensor, e: torch.Tensor) -> float:
 
 
 def test_bf16_products_are_decided_by_the_cpu(monkeypatch) -> None:
-    """bfloat16 products only in AVX-512 builds on CPUs with AVX512-BF16 or AMX;
-    MITA_BF16_PRODUCTS=0 / 1 forces them off / on; the choice is a define of the build, so
-    part of the cache key; a bad value names the variable."""
+    """bfloat16 products only in AVX-512 builds: on CPUs with AMX, or with AVX512-BF16 where torch's
+    bfloat16 matmul is measured 1.25x its float32 or faster; MITA_BF16_PRODUCTS=0 / 1 forces them
+    off / on; the choice is a define of the build, so part of the cache key; a bad value names the
+    variable."""
     monkeypatch.delenv("MITA_BF16_PRODUCTS", raising=False)
     cpu = {"_is_avx512_bf16_supported": True, "_is_amx_tile_supported": False}
     for name in cpu:
         monkeypatch.setattr(torch.cpu, name, lambda name=name: cpu[name])
     monkeypatch.setattr(fused, "_isa", lambda: "AVX512")
+    speedup = {"x": 2.0}  # Zen 4's vdpbf16ps
+    monkeypatch.setattr(fused, "bf16_matmul_speedup", lambda: speedup["x"])
     assert fused.bf16_products() and "-DMITA_BF16_PRODUCTS" in fused._cflags()
+    speedup["x"] = 0.55  # an Intel Xeon whose VM hides AMX
+    assert not fused.bf16_products() and "-DMITA_BF16_PRODUCTS" not in fused._cflags()
+    monkeypatch.setenv("MITA_BF16_PRODUCTS", "1")
+    assert fused.bf16_products()
     monkeypatch.setenv("MITA_BF16_PRODUCTS", "0")
+    speedup["x"] = 2.0
     assert not fused.bf16_products() and "-DMITA_BF16_PRODUCTS" not in fused._cflags()
     monkeypatch.setenv("MITA_BF16_PRODUCTS", "yes")
     with pytest.raises(ValueError, match="MITA_BF16_PRODUCTS='yes'"):
         fused.bf16_products()
     monkeypatch.delenv("MITA_BF16_PRODUCTS")
+    speedup["x"] = 0.55  # AMX is taken without measuring
     cpu.update(_is_avx512_bf16_supported=False, _is_amx_tile_supported=True)
     assert fused.bf16_products()
     monkeypatch.setenv("MITA_BF16_PRODUCTS", "1")
@@ -625,7 +634,14 @@ def test_bf16_products_are_decided_by_the_cpu(monkeypatch) -> None:
     monkeypatch.delenv("MITA_BF16_PRODUCTS")
     monkeypatch.setattr(fused, "_isa", lambda: "AVX512")
     cpu.update(_is_avx512_bf16_supported=False, _is_amx_tile_supported=False)
+    speedup["x"] = 2.0
     assert not fused.bf16_products()
+
+
+def test_bf16_matmul_speedup_is_a_positive_ratio() -> None:
+    """The measured ratio is finite and positive, and cached for the process."""
+    first = fused.bf16_matmul_speedup()
+    assert 0 < first < float("inf") and fused.bf16_matmul_speedup() == first
 
 
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's, from mkldnn.flags

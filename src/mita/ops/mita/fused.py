@@ -15,18 +15,18 @@ kernels as they are, without whole-tensor copies. The kernels convert each block
 float32 scratch (a key block, a query block, an expert's gathered rows; small experts convert as
 they load), compute every product, softmax and merge in float32, and round the output (and dq,
 dk, dv) into the input dtype; the landmarks, v~ and log-sum-exps stay float32. Where the CPU
-multiplies bfloat16 in hardware (:func:`bf16_products`: AVX512-BF16 or AMX), the bfloat16 forward
-instead multiplies bfloat16 operands with float32 accumulation (``at::native::cpublas::brgemm`` on
-VNNI-packed operands) in four of its six products: the experts' scores and shared values, the gate's
-scores and the routed scores; the gate's shared output and the routed output stay float32 (their
-probabilities rounded to bfloat16 doubled the output's error). The backward of large heads does
-the same for its score products (q and k against the rounded landmarks, q and dout against an
-expert's keys and values); its gradient products stay float32. Verified by
-``tests/test_mita_fused.py``: outputs and gradients within twice the error of the reference in
-the same dtype against float64 (odd sizes, masks, prefix and suffix tokens, GQA, cross-attention,
+multiplies bfloat16 faster than float32 (:func:`bf16_products`: AMX, or AVX512-BF16 measured
+faster), bfloat16 calls instead multiply bfloat16 operands with float32 accumulation
+(``at::native::cpublas::brgemm`` on VNNI-packed operands): in a large head every product of the
+forward and the backward (probabilities and score gradients rounded to bfloat16, as PyTorch's CPU
+flash attention rounds them; the gate's shared values split into two bfloat16 halves); a small head's
+forward takes them where brgemm does its products (its small experts keep float32 register tiles),
+its backward none; softmax, merges and sums stay float32. Verified by
+``tests/test_mita_fused.py``: outputs and gradients within twice the error of the reference in the
+same dtype against float64 (odd sizes, masks, prefix and suffix tokens, GQA, cross-attention,
 both schedules), and no copy of a (B, H, N, D) tensor in the profile of a forward and backward.
-Speed: docs/performance.md, "Half precision" (float32 scratch on AMD Zen 3; bfloat16 products on
-AMD Zen 4 with AVX512-BF16, AMX on Intel Xeon; which CPUs take them: :func:`bf16_products`).
+Speed: docs/performance.md, "Half precision" (float32 scratch on AMD Zen 3 and on an Intel Xeon
+without AMX; bfloat16 products on AMD Zen 4 and on AMX Xeons).
 float16 products (brgemm needs AVX512-FP16 there) are not implemented.
 
 Kept memory: the tensors the kernels return (the output, the saved values, dq, dk, dv) and their
@@ -45,6 +45,7 @@ infinite offset as padded in its kv head.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -54,6 +55,7 @@ import stat
 import sys
 import sysconfig
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -81,12 +83,16 @@ def _isa() -> str:
 def bf16_products() -> bool:
     """Whether bfloat16 calls multiply bfloat16 operands (float32 accumulation) instead of float32.
 
-    Decided once per machine from what torch reports: an AVX-512 build on a CPU with AVX512-BF16 or
-    AMX, where oneDNN's brgemm runs bfloat16 products in hardware (Zen 4's vdpbf16ps at about twice
-    float32's rate; AMX's tiles on Intel Xeon, verified there on 2026-12-05). Elsewhere brgemm would
-    emulate them, slower than the float32 path. ``MITA_BF16_PRODUCTS=0`` turns them off, ``=1`` on
-    for any AVX-512 build. While oneDNN is disabled (``torch.backends.mkldnn.flags(enabled=False)``)
-    the kernels take the float32 path per call: torch's brgemm then refuses bfloat16 operands.
+    Decided once per process from what torch and the CPU report: an AVX-512 build on a CPU with AMX
+    (oneDNN's brgemm on AMX's tiles: about 5x float32's rate on an Intel Xeon, 2026-12-05), or with
+    AVX512-BF16 where torch's bfloat16 matmul is measured at least 1.25x its float32
+    (:func:`bf16_matmul_speedup`). The instruction alone does not say it: AMD Zen 4 runs vdpbf16ps
+    at about twice float32's rate, an Intel Xeon whose VM hides AMX at 0.6x of it, where the
+    products made the bfloat16 kernels 1.05-1.49x slower than float32 (docs/performance.md, "Half
+    precision"). Elsewhere brgemm would emulate them. ``MITA_BF16_PRODUCTS=0`` turns them off,
+    ``=1`` on for any AVX-512 build. While oneDNN is disabled
+    (``torch.backends.mkldnn.flags(enabled=False)``) the kernels take the float32 path per call:
+    torch's brgemm then refuses bfloat16 operands.
     """
     choice = os.environ.get("MITA_BF16_PRODUCTS", "")
     if choice not in ("", "0", "1"):
@@ -99,7 +105,31 @@ def bf16_products() -> bool:
     def reports(name: str) -> bool:  # (private torch queries: a torch without them keeps float32)
         return getattr(torch.cpu, name, lambda: False)()
 
-    return reports("_is_avx512_bf16_supported") or reports("_is_amx_tile_supported")
+    if reports("_is_amx_tile_supported"):
+        return True
+    return reports("_is_avx512_bf16_supported") and bf16_matmul_speedup() >= 1.25
+
+
+@functools.cache
+def bf16_matmul_speedup(size: int = 512, repeats: int = 8) -> float:
+    """torch's bfloat16 matmul rate over its float32 rate on this CPU, once per process.
+
+    The fastest of ``repeats`` (size, size) products in each dtype, the two dtypes alternating after
+    two warm-up rounds (the first calls of a process also start the thread pool), with the current
+    threads (about 40 ms at the default 512). The ratios it separates are far apart (Zen 4 about 2,
+    an Intel Xeon without AMX 0.5-0.6), so a busy machine does not flip the choice it feeds.
+    """
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, size, size, generator=gen)
+    pairs = {dtype: (a.to(dtype), b.to(dtype)) for dtype in (torch.float32, torch.bfloat16)}
+    fastest = dict.fromkeys(pairs, float("inf"))
+    for round_ in range(repeats + 2):
+        for dtype, (x, y) in pairs.items():
+            start = time.perf_counter()
+            torch.mm(x, y)
+            if round_ >= 2:
+                fastest[dtype] = min(fastest[dtype], time.perf_counter() - start)
+    return fastest[torch.float32] / fastest[torch.bfloat16]
 
 
 def _cflags() -> list[str]:
