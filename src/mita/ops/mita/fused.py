@@ -86,8 +86,8 @@ def bf16_products() -> bool:
     Decided once per process from what torch and the CPU report: an AVX-512 build on a CPU with AMX
     (oneDNN's brgemm on AMX's tiles: about 5x float32's rate on an Intel Xeon, 2026-12-05), or with
     AVX512-BF16 where torch's bfloat16 matmul is measured at least 1.25x its float32
-    (:func:`bf16_matmul_speedup`). The instruction alone does not say it: AMD Zen 4 runs vdpbf16ps
-    at about twice float32's rate, an Intel Xeon whose VM hides AMX at 0.6x of it, where the
+    (:func:`bf16_matmul_speedup`). The instruction alone does not say it: torch's bfloat16 matmul
+    runs at 2-3x its float32 on AMD Zen 4, at 0.5-0.7x on an Intel Xeon whose VM hides AMX, where the
     products made the bfloat16 kernels 1.05-1.49x slower than float32 (docs/performance.md, "Half
     precision"). Elsewhere brgemm would emulate them. ``MITA_BF16_PRODUCTS=0`` turns them off,
     ``=1`` on for any AVX-512 build. While oneDNN is disabled
@@ -116,8 +116,8 @@ def bf16_matmul_speedup(size: int = 512, repeats: int = 8) -> float:
 
     The fastest of ``repeats`` (size, size) products in each dtype, the two dtypes alternating after
     two warm-up rounds (the first calls of a process also start the thread pool), with the current
-    threads (about 40 ms at the default 512). The ratios it separates are far apart (Zen 4 about 2,
-    an Intel Xeon without AMX 0.5-0.6), so a busy machine does not flip the choice it feeds.
+    threads (about 40 ms at the default 512). The ratios it separates are far apart (Zen 4 2-3, an
+    Intel Xeon without AMX 0.5-0.7), so a busy machine does not flip the choice it feeds.
     """
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(2, size, size, generator=gen)
