@@ -131,6 +131,27 @@ void from_compute(const T* src, In* dst, int64_t n) {
   }
 }
 
+// from_compute with non-temporal stores where dst is 64-byte aligned and n a whole number of
+// cache lines (AVX-512 builds): an output row written once and not read again by the kernel, so
+// its lines are not read for ownership first. The caller fences (_mm_sfence) before its task ends.
+template <typename In, typename T>
+void stream_from_compute(const T* src, In* dst, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (!std::is_same_v<T, In>) {
+    constexpr int64_t L = 64 / sizeof(In);
+    if (reinterpret_cast<uintptr_t>(dst) % 64 == 0 && n % L == 0) {
+      alignas(64) In line[L];
+      for (int64_t i = 0; i < n; i += L) {
+        at::vec::convert(src + i, line, L);
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_load_si512(line));
+      }
+      return;
+    }
+  }
+#endif
+  from_compute(src, dst, n);
+}
+
 // n rows of In (row i at X + i * ld) as T: X itself when In is T, else the rows converted into buf
 // (n x D, ld becomes D). The operand of a product read in place, or from scratch.
 template <typename T, typename In>
