@@ -543,6 +543,8 @@ HALF = [
     # large heads with odd key blocks, m and k (bfloat16 products pad them), s = 2, a short sequence
     (Case(B=2, H=2, N=1999, D=64, m=25, k=33, s=2, mask=True), {}),
     (Case(B=1, H=2, N=2100, D=33, m=24, k=40), {}),  # odd D: bfloat16 products fall back to float32
+    # large heads, s = 1, padded queries: their zero rows written by the gate, the rest by the merge
+    (Case(B=2, H=1, N=1500, D=64, m=16, k=20, mask=True), {}),
 ]
 
 
