@@ -376,9 +376,7 @@ struct Forward {
     if (small && !bf) {  // a small expert: in registers, no gathers
       small_expert(x, mem, n_e, kk, keys, sc);
       merge_block(x, mem, n_e, sc);
-#if defined(CPU_CAPABILITY_AVX512)
-      if (rounds_in_merge()) _mm_sfence();
-#endif
+      if (rounds_in_merge()) stream_fence();
       return;
     }
     if (!bf)
@@ -423,9 +421,7 @@ struct Forward {
       if (!pv) gemm<T>(false, false, nb, D, kk, Sb, kk, Ve, D, false, Ob, D);
       merge_block(x, mem + i0, nb, sc);
     }
-#if defined(CPU_CAPABILITY_AVX512)
-    if (rounds_in_merge()) _mm_sfence();
-#endif
+    if (rounds_in_merge()) stream_fence();
   }
 
   // The routed softmax of a small expert's nb queries (slots mem) over its kk keys, into sc.Ob and

@@ -133,7 +133,7 @@ void from_compute(const T* src, In* dst, int64_t n) {
 
 // from_compute with non-temporal stores where dst is 64-byte aligned and n a whole number of
 // cache lines (AVX-512 builds): an output row written once and not read again by the kernel, so
-// its lines are not read for ownership first. The caller fences (_mm_sfence) before its task ends.
+// its lines are not read for ownership first. The caller calls stream_fence() before its task ends.
 template <typename In, typename T>
 void stream_from_compute(const T* src, In* dst, int64_t n) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -150,6 +150,13 @@ void stream_from_compute(const T* src, In* dst, int64_t n) {
   }
 #endif
   from_compute(src, dst, n);
+}
+
+// Orders stream_from_compute's non-temporal stores before the task's later writes and its end.
+inline void stream_fence() {
+#if defined(CPU_CAPABILITY_AVX512)
+  _mm_sfence();
+#endif
 }
 
 // n rows of In (row i at X + i * ld) as T: X itself when In is T, else the rows converted into buf
