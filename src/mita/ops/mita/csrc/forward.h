@@ -617,9 +617,10 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     for (size_t r = 0; r < f.n_real.size(); ++r) f.n_real[r] = std::count(key_mask + r * Nk, key_mask + (r + 1) * Nk, true);
 
   if (by_head) {
-    at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
+    guided_runs(X, [&](const auto& take) {
       const SingleThreadedBlas blas;
-      const auto next = [&](int64_t x) {  // the next head of this thread read ahead during head x's routed phase
+      int64_t begin = 0, end = 0;
+      const auto next = [&](int64_t x) {  // the next head of this run read ahead during head x's routed phase
         return [&f, x, end](int64_t e) {
           if (x + 1 < end) f.prefetch_head(x + 1, e);
         };
@@ -644,16 +645,17 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             g.Vf = hv.data();
           }
           typename Forward<T, In>::Scratch sc(g, m);
-          for (int64_t x = begin; x < end; ++x) {
-            if (once) {
-              int64_t lk = f.kr.st, lv = f.vr.st;  // (rows_as sets them to D)
-              rows_as(f.kx(x), Nk, D, lk, hk.data());
-              rows_as(f.vx(x), Nk, D, lv, hv.data());
+          while (take(begin, end))
+            for (int64_t x = begin; x < end; ++x) {
+              if (once) {
+                int64_t lk = f.kr.st, lv = f.vr.st;  // (rows_as sets them to D)
+                rows_as(f.kx(x), Nk, D, lk, hk.data());
+                rows_as(f.vx(x), Nk, D, lv, hv.data());
+              }
+              g.head(x, sc, next(x));
+              In* o = f.OUT + f.outr.head(x / H, x % H);
+              for (int64_t t = 0; t < Nq; ++t) from_compute(ho.data() + t * D, o + t * f.outr.st, D);
             }
-            g.head(x, sc, next(x));
-            In* o = f.OUT + f.outr.head(x / H, x % H);
-            for (int64_t t = 0; t < Nq; ++t) from_compute(ho.data() + t * D, o + t * f.outr.st, D);
-          }
           return;
         }
       if constexpr (half) {
@@ -663,38 +665,32 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         Buffer<T> hq(Nq * D), hk(Nk * D), hv(Nk * D), ho(Nq * D);
         const Forward<T, T> g = f.on_rows(hq.data(), hk.data(), hv.data(), ho.data());
         typename Forward<T, T>::Scratch sc(g, m);
-        for (int64_t x = begin; x < end; ++x) {
-          int64_t lq = f.qr.st, lk = f.kr.st, lv = f.vr.st;  // (rows_as sets them to D)
-          rows_as(f.qx(x), Nq, D, lq, hq.data());
-          rows_as(f.kx(x), Nk, D, lk, hk.data());
-          rows_as(f.vx(x), Nk, D, lv, hv.data());
-          g.head(x, sc, next(x));
-          In* o = f.OUT + f.outr.head(x / H, x % H);
-          for (int64_t t = 0; t < Nq; ++t) from_compute(ho.data() + t * D, o + t * f.outr.st, D);
-        }
+        while (take(begin, end))
+          for (int64_t x = begin; x < end; ++x) {
+            int64_t lq = f.qr.st, lk = f.kr.st, lv = f.vr.st;  // (rows_as sets them to D)
+            rows_as(f.qx(x), Nq, D, lq, hq.data());
+            rows_as(f.kx(x), Nk, D, lk, hk.data());
+            rows_as(f.vx(x), Nk, D, lv, hv.data());
+            g.head(x, sc, next(x));
+            In* o = f.OUT + f.outr.head(x / H, x % H);
+            for (int64_t t = 0; t < Nq; ++t) from_compute(ho.data() + t * D, o + t * f.outr.st, D);
+          }
       } else {
         typename Forward<T, In>::Scratch sc(f, m);
-        for (int64_t x = begin; x < end; ++x) f.head(x, sc, next(x));
+        while (take(begin, end))
+          for (int64_t x = begin; x < end; ++x) f.head(x, sc, next(x));
       }
     });
     return;
   }
-  // Large heads: each phase split across the threads (landmark rows, query blocks, experts).
-  // Items handed out in shrinking runs from a shared counter (as OpenMP's guided schedule): with a
-  // fixed half per thread, phase timers at N = 4,096 had one thread 10-13% busier than the other,
-  // which then waited. Each item has one writer, so no result depends on which thread takes it.
+  // Large heads: each phase split across the threads (landmark rows, query blocks, experts), the
+  // gate's and the routed phase's items in guided runs.
   const auto guided_for = [&](int64_t n, const auto& body) {
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    guided_runs(n, [&](const auto& take) {
       const SingleThreadedBlas blas;
       [[maybe_unused]] const std::conditional_t<Forward<T, In>::kBf16, Bf16Products, bool> release{};
       typename Forward<T, In>::Scratch sc(f, 1);
-      for (;;) {
-        const int64_t run = std::max<int64_t>(1, (n - next.load(std::memory_order_relaxed)) / (2 * threads));
-        const int64_t begin = next.fetch_add(run, std::memory_order_relaxed);
-        if (begin >= n) break;
-        body(begin, std::min(begin + run, n), sc);
-      }
+      for (int64_t begin = 0, end = 0; take(begin, end);) body(begin, end, sc);
     });
   };
   at::Tensor shared_t;  // bfloat16 products: each head's gate and shared-branch operands, packed once
