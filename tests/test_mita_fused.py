@@ -153,6 +153,26 @@ def test_fused_float32_is_deterministic_and_reads_no_uninitialised_memory() -> N
         assert torch.isfinite(a).all() and torch.equal(a, b)
 
 
+@pytest.mark.parametrize("case", [Case(B=2, H=3, N=100, D=32, m=8, k=12), Case(B=1, H=2, N=3000, D=32, m=16, k=24)])
+def test_fused_results_do_not_depend_on_the_threads(case: Case) -> None:
+    """Heads (small heads, N = 100) or each phase's items (large heads, N = 3,000) go to the threads in
+    guided runs, so which thread computes what changes from call to call; every item has one writer,
+    so one thread and two give bit-identical outputs and gradients."""
+    q, k, v, _ = case.inputs(dtype=torch.float32)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    grad = torch.randn_like(q)
+    threads, runs = torch.get_num_threads(), []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = mita_attention(q, k, v, **case.kwargs(None), impl="fused")
+            runs.append((out, *torch.autograd.grad(out, leaves, grad)))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 def _kept_call(q: torch.Tensor | None = None) -> torch.Tensor:
     """A fused forward whose output (1 MiB for q of (1, 2, 2048, 64), drawn when not given) is over the
     kept memory's 256 KiB threshold."""
