@@ -52,6 +52,7 @@ import logging
 import os
 import shutil
 import stat
+import statistics
 import sys
 import sysconfig
 import threading
@@ -132,6 +133,52 @@ def bf16_matmul_speedup(size: int = 512, repeats: int = 8) -> float:
     return fastest[torch.float32] / fastest[torch.bfloat16]
 
 
+def read_ahead() -> bool:
+    """Whether the kernels read a thread's next small head's rows into L2 while it computes the head
+    before (q, k, v in the forward; q, dout, out, k, v in the backward; heads whose rows fit in L2).
+
+    Decided once per process when the kernel loads: ``MITA_READ_AHEAD=0`` / ``=1`` turn it off / on,
+    else it is on where :func:`read_ahead_speedup` measures it faster. It changes no result, only time,
+    and neither the vendor nor the cache sizes say which way: the forward at N = 197 took 0.91-0.96 of
+    the time with it on AMD Zen 4 (1 MiB L2 a core) and 1.02-1.03 on an Intel Xeon without AMX (2 MiB),
+    whose prefetchers already keep up (docs/performance.md, "What was tried").
+    """
+    choice = os.environ.get("MITA_READ_AHEAD", "")
+    if choice not in ("", "0", "1"):
+        raise ValueError(f"MITA_READ_AHEAD={choice!r}: use 0 (off), 1 (on) or leave it unset (measured)")
+    return choice == "1" if choice else read_ahead_speedup() >= 1.0
+
+
+@functools.cache
+def read_ahead_speedup(rounds: int = 15) -> float:
+    """The fused forward's median time without the read-ahead over its time with it, on this CPU, once
+    per process: the small heads of DeiT-S at 224 px (B = 8, H = 6, N = 197, D = 64, m = k = 25 given
+    landmarks), the two settings alternating call by call after two warm-up rounds, with the current
+    threads (about 60 ms at two threads). A choice within this noise (a few percent) costs no more than
+    the noise. Leaves the setting as it found it. Real tensors and kernels even when the first call comes
+    under a tracing mode (``FakeTensorMode``, ``torch.compile``)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    before = torch.ops.mita.read_ahead()
+    times: dict[bool, list[float]] = {True: [], False: []}
+    with _disable_current_modes():
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = torch.randn(3, 8, 6, 197, 64, generator=gen, device="cpu")
+        landmarks = torch.randn(8, 6, 25, 64, generator=gen, device="cpu")
+    try:
+        for round_ in range(rounds + 2):
+            for on in times:
+                torch.ops.mita.read_ahead(on)
+                start = time.perf_counter()
+                with _disable_current_modes():
+                    torch.ops.mita.fused_forward(q, k, v, landmarks, None, None, 25, 1, 0.125, 0.125)
+                if round_ >= 2:
+                    times[on].append(time.perf_counter() - start)
+    finally:
+        torch.ops.mita.read_ahead(before)
+    return statistics.median(times[False]) / statistics.median(times[True])
+
+
 def _cflags() -> list[str]:
     isa = _isa()
     defines = [] if isa == "DEFAULT" else [f"-DCPU_CAPABILITY={isa}", f"-DCPU_CAPABILITY_{isa}"]
@@ -197,6 +244,8 @@ def available() -> bool:
         if "ok" not in _state:
             _state["why"] = _load()
             _state["ok"] = _state["why"] is None
+        if _state["ok"] and "read_ahead" not in _state:  # (a bad MITA_READ_AHEAD raises on every call)
+            _state["read_ahead"] = torch.ops.mita.read_ahead(read_ahead())
     return bool(_state["ok"])
 
 
@@ -285,7 +334,7 @@ def _build_and_load(build: Path, source: Path) -> None:
             f.unlink()
     before = so.stat().st_mtime_ns if so.exists() else None
     if before is None:
-        print(f"mita: compiling the fused CPU kernel once (about 25 s; cached in {build})", file=sys.stderr)
+        print(f"mita: compiling the fused CPU kernel once (1-3 minutes; cached in {build})", file=sys.stderr)
     # torch runs `ninja` from PATH: make this environment's scripts folder (pip's ninja) findable.
     scripts = sysconfig.get_path("scripts")
     if scripts not in os.environ.get("PATH", "").split(os.pathsep):

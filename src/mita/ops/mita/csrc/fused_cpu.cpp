@@ -229,6 +229,13 @@ std::vector<int64_t> kept_memory(std::optional<int64_t> limit) {
   return {int64_t(held), int64_t(lim)};
 }
 
+// Whether the kernels read a thread's next small head ahead (read_ahead, products.h): sets it when
+// given (fused.read_ahead decides it per process); returns the setting.
+bool set_read_ahead(std::optional<bool> on) {
+  if (on) read_ahead_on().store(*on);
+  return read_ahead_on().load();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(mita, m) {
@@ -242,6 +249,7 @@ TORCH_LIBRARY(mita, m) {
       "Tensor lse_t, float scale, float landmark_scale, Tensor? pool_offsets=None, Tensor? pool_tokens=None, "
       "Tensor? dlandmarks=None, Tensor? key_offset=None) -> Tensor[]");
   m.def("kept_memory(int? limit=None) -> int[]", &kept_memory);
+  m.def("read_ahead(bool? on=None) -> bool", &set_read_ahead);
 }
 
 TORCH_LIBRARY_IMPL(mita, CPU, m) {

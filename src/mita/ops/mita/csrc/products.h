@@ -226,11 +226,19 @@ inline int64_t l2_bytes() {
 // views of one qkv buffer) lie in pages the head before read too: reading them cost more than it
 // saved (forward 1.04 of the time at N = 1,025, against 0.98 with prefetches alone). Into L2, not
 // L1: with prefetcht0 the forward measured 1.011 against 0.944 at N = 197 (Zen 4).
+//
+// Whether it pays depends on the CPU (the forward at N = 197 with it took 0.91-0.96 of the time on
+// Zen 4, 1.02-1.03 on an Intel Xeon without AMX), so torch.ops.mita.read_ahead switches it per
+// process, as fused.read_ahead measures once.
+inline std::atomic<bool>& read_ahead_on() {
+  static std::atomic<bool> on{true};
+  return on;
+}
 template <typename E>
 void read_ahead(std::initializer_list<AheadRows<E>> tensors, int64_t D, int64_t i, int64_t parts) {
   int64_t bytes = 0;
   for (const auto& t : tensors) bytes += t.n * D * int64_t(sizeof(E));
-  if (bytes > l2_bytes()) return;
+  if (bytes > l2_bytes() || !read_ahead_on().load(std::memory_order_relaxed)) return;
   for (const auto& [first, st, n] : tensors) {
     const auto touch = [](const E* p) { (void)*reinterpret_cast<const volatile char*>(p); };
     if (i == 0 && st * int64_t(sizeof(E)) < 4096) {  // row starts a page apart (st >= D: fused_cpu.cpp), the last row's end
