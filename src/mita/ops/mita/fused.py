@@ -141,7 +141,7 @@ def read_ahead() -> bool:
     else it is on where :func:`read_ahead_speedup` measures it faster. It changes no result, only time,
     and neither the vendor nor the cache sizes say which way: the forward at N = 197 took 0.91-0.96 of
     the time with it on AMD Zen 4 (1 MiB L2 a core) and 1.02-1.03 on an Intel Xeon without AMX (2 MiB),
-    whose prefetchers already keep up (docs/performance.md, "What was tried").
+    whose prefetchers already keep up (docs/performance.md, "Changes kept").
     """
     choice = os.environ.get("MITA_READ_AHEAD", "")
     if choice not in ("", "0", "1"):
@@ -152,19 +152,20 @@ def read_ahead() -> bool:
 @functools.cache
 def read_ahead_speedup(rounds: int = 15) -> float:
     """The fused forward's median time without the read-ahead over its time with it, on this CPU, once
-    per process: the small heads of DeiT-S at 224 px (B = 8, H = 6, N = 197, D = 64, m = k = 25 given
-    landmarks), the two settings alternating call by call after two warm-up rounds, with the current
-    threads (about 60 ms at two threads). A choice within this noise (a few percent) costs no more than
-    the noise. Leaves the setting as it found it. Real tensors and kernels even when the first call comes
-    under a tracing mode (``FakeTensorMode``, ``torch.compile``)."""
+    per process: the small heads of DeiT-S at 224 px (H = 6, N = 197, D = 64, m = k = 25 given
+    landmarks; B = 8, or enough for two heads a thread), the two settings alternating call by call after
+    two warm-up rounds, with the current threads (about 70 ms at two threads). A choice within this
+    noise (a few percent) costs no more than the noise. Leaves the setting as it found it. Real tensors
+    and kernels even when the first call comes under a tracing mode (``FakeTensorMode``, ``torch.compile``)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     before = torch.ops.mita.read_ahead()
     times: dict[bool, list[float]] = {True: [], False: []}
     with _disable_current_modes():
         gen = torch.Generator().manual_seed(0)
-        q, k, v = torch.randn(3, 8, 6, 197, 64, generator=gen, device="cpu")
-        landmarks = torch.randn(8, 6, 25, 64, generator=gen, device="cpu")
+        batch = max(8, -(-2 * torch.get_num_threads() // 6))  # >= two heads a thread: the schedule that reads ahead
+        q, k, v = torch.randn(3, batch, 6, 197, 64, generator=gen, device="cpu")
+        landmarks = torch.randn(batch, 6, 25, 64, generator=gen, device="cpu")
     try:
         for round_ in range(rounds + 2):
             for on in times:
