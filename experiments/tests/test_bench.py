@@ -69,6 +69,20 @@ def test_quick_rows_ratios_follow_their_definitions(quick_run: Path) -> None:
     assert "of matmul" in (quick_run / "results.md").read_text()
 
 
+def test_the_fused_kernels_choices_are_recorded(quick_run: Path) -> None:
+    """What MiTA's CPU kernel decided on this machine (bfloat16 products, the read-ahead) is in
+    machine.json and results.md when the run used it."""
+    from mita.ops.mita import fused
+
+    session = json.loads((quick_run / "machine.json").read_text())["sessions"][0]
+    if not fused.available():
+        assert "mita_cpu_kernel" not in session
+        return
+    assert session["mita_cpu_kernel"] == fused.kernel_choices()
+    assert set(session["mita_cpu_kernel"]) == {"bf16_products", "read_ahead"}
+    assert "read ahead o" in (quick_run / "results.md").read_text()
+
+
 def test_the_matmul_rate_is_measured_again_at_the_end_and_a_drift_is_reported(quick_run: Path) -> None:
     session = json.loads((quick_run / "machine.json").read_text())["sessions"][0]
     assert session["matmul_gflops_end"] > 0

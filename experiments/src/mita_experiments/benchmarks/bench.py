@@ -323,6 +323,25 @@ def record_rate_at_end(path: Path, rate: float) -> None:
     path.write_text(json.dumps(info, indent=2) + "\n")
 
 
+def record_kernel(path: Path) -> None:
+    """Add what MiTA's fused CPU kernel decided for this machine (``fused.kernel_choices``: bfloat16
+    products, the read-ahead) to this session in machine.json, when a point loaded it."""
+    from mita.ops.mita import fused
+
+    if (choices := fused.kernel_choices()) is not None:
+        info = json.loads(path.read_text())
+        info["sessions"][-1]["mita_cpu_kernel"] = choices
+        path.write_text(json.dumps(info, indent=2) + "\n")
+
+
+def _kernel(session: Mapping[str, Any]) -> str | None:
+    """The sentence of results.md on the fused CPU kernel's choices in ``session``, if recorded."""
+    if not (choices := session.get("mita_cpu_kernel")):
+        return None
+    said = ", ".join(f"{name.replace('_', ' ')} {'on' if on else 'off'}" for name, on in choices.items())
+    return f"MiTA's fused CPU kernel, as it decided on this machine: {said} (`mita.ops.mita.fused.kernel_choices`)."
+
+
 def _rates(session: Mapping[str, Any]) -> str:
     """A session's matmul rate in GFLOP/s, and the one at its end where measured."""
     end = session.get("matmul_gflops_end")
@@ -461,6 +480,7 @@ def run(args: argparse.Namespace) -> int:
         write_rows(out_dir / "results.csv", rows.values())  # a new file, or the resumed one rid of a cut line
         failures = _measure_all(plan, args.dtype or "float32", args.device, session, rows, out_dir / "results.csv")
         record_rate_at_end(out_dir / "machine.json", matmul_rate(args.dtype or "float32", args.device))
+        record_kernel(out_dir / "machine.json")
     # ratios again over all rows: a resumed run may have measured a baseline after the rows that need it
     final = [
         add_ratios(r, rows.get(_baseline_key(plan, r)))
@@ -556,6 +576,7 @@ def _write_reports(rows: Sequence[Row], out_dir: Path, baseline: str, *, plots: 
         "as 3 forwards); of matmul is their share of this machine's square matmul rate in the same dtype "
         f"and threads ({rates} GFLOP/s).",
         "",
+        *(f"{said}\n" for s in sessions[-1:] if (said := _kernel(s))),
         markdown_table(rows),
     ]
     if any(map(from_other_session, rows)):

@@ -180,6 +180,15 @@ def read_ahead_speedup(rounds: int = 15) -> float:
     return statistics.median(times[False]) / statistics.median(times[True])
 
 
+def kernel_choices() -> dict[str, bool] | None:
+    """What the loaded kernel decided for this machine, for reports: ``bf16_products``
+    (:func:`bf16_products`) and ``read_ahead`` (:func:`read_ahead`); None until it has loaded, or where
+    it cannot."""
+    if not _state.get("ok") or "read_ahead" not in _state:
+        return None
+    return {"bf16_products": bf16_products(), "read_ahead": bool(torch.ops.mita.read_ahead())}
+
+
 def _cflags() -> list[str]:
     isa = _isa()
     defines = [] if isa == "DEFAULT" else [f"-DCPU_CAPABILITY={isa}", f"-DCPU_CAPABILITY_{isa}"]
