@@ -576,7 +576,7 @@ def _write_reports(rows: Sequence[Row], out_dir: Path, baseline: str, *, plots: 
         "as 3 forwards); of matmul is their share of this machine's square matmul rate in the same dtype "
         f"and threads ({rates} GFLOP/s).",
         "",
-        *(f"{said}\n" for s in sessions[-1:] if (said := _kernel(s))),
+        *([kernel, ""] if (kernel := _kernel(sessions[-1])) else []),
         markdown_table(rows),
     ]
     if any(map(from_other_session, rows)):
