@@ -24,7 +24,7 @@ constexpr int64_t kSmallHead = int64_t(1) << 20;
 // The forward of one call: the phases of the header as functions of (head, block), scheduled by
 // forward_impl either head by head (small heads) or phase by phase (large ones). q, k, v are of
 // type In, computed in T (float for bfloat16 and float16: see Compute in vec.h); out is written
-// in T into O, then (In not T) rounded into OUT: a small head's rows after the head, a large head's
+// in T into O, then into OUT: a small head's rows (In not T) rounded after the head, a large head's
 // each where it is last merged.
 template <typename T, typename In>
 struct Forward {
@@ -42,7 +42,7 @@ struct Forward {
   Bins bins;
   const bool *key_mask, *query_mask;
   T *O, *VS, *LA, *LT, *LSE, *RO, *RL;
-  In* OUT;  // O itself when In is T
+  In* OUT;  // the output: O itself for a small head in float32
   int64_t *E, *R, *start, *members;
   std::vector<int64_t> n_real;
   bool by_head = false;  // run head by head (small heads), its rows in cache
@@ -57,6 +57,11 @@ struct Forward {
   // a group's first key stands for and on padded keys; key_mask is then per kv head (B, Hkv, Nk),
   // the keys with a finite offset. Null without: key_mask is (B, Nk), one row a batch element.
   const T* offset = nullptr;
+  // Large heads, group by group (forward_impl): O holds the output rows of heads o0 .. o0 + the
+  // group's size in T, dense (head by head, rows D apart), and each query's row is written into OUT
+  // where it is last merged (merge_block, merge; a padded query's zeros by the gate).
+  bool grouped = false;
+  int64_t o0 = 0;
 
   // Head x's row of the key mask (null: every key real) and its index into n_real.
   int64_t mask_row(int64_t x) const { return offset ? (x / H) * Hkv + (x % H) / G : x / H; }
@@ -96,12 +101,9 @@ struct Forward {
   const In* qx(int64_t x) const { return Q + qr.head(x / H, x % H); }
   const In* kx(int64_t x) const { return K + kr.head(x / H, (x % H) / G); }
   const In* vx(int64_t x) const { return Vv + vr.head(x / H, (x % H) / G); }
-  T* ox(int64_t x) const { return O + outr.head(x / H, x % H); }
-
-  // Half precision, large heads: each query's output row rounded into OUT where it is last merged
-  // (merge_block, merge; a padded query's zeros by the gate), with no pass over O of its own (that
-  // pass was 5% of the bfloat16 forward at N = 16,384 on a Xeon without AMX).
-  bool rounds_in_merge() const { return kHalf && !by_head; }
+  T* ox(int64_t x) const { return grouped ? O + (x - o0) * Nq * D : O + outr.head(x / H, x % H); }
+  int64_t ost() const { return grouped ? D : outr.st; }  // O's row stride
+  In* outx(int64_t x) const { return OUT + outr.head(x / H, x % H); }
 
   // A: shared-expert values and the experts' keys of landmark rows r0 .. r0+nr of head x.
   void experts(int64_t x, int64_t r0, int64_t nr, Scratch& sc) const {
@@ -315,7 +317,7 @@ struct Forward {
         sc.a[i] = ninf;
         sc.w[i] = T(1);
         LT[x * Nq + t] = T(0);
-        if (In* o = OUT + outr.head(x / H, x % H) + t * outr.st; rounds_in_merge()) std::fill(o, o + D, In(0));
+        if (In* o = outx(x) + t * outr.st; grouped) std::fill(o, o + D, In(0));
       }
     log_add(sc.w.data(), sc.a.data(), LSE + x * Nq + t0, nq);  // lse = max + log(sum)
     if constexpr (kBf16)
@@ -328,10 +330,10 @@ struct Forward {
         bf16* A = sc.Ha.data();
         rows_to_bf16(G, nq, m, ld, A, 2 * m2);
         for (int64_t i = 0; i < nq; ++i) std::copy(A + i * 2 * m2, A + i * 2 * m2 + m2, A + i * 2 * m2 + m2);
-        gemm_bf16(nq, D, 2 * m2, A, 2 * m2, packed + D * m, false, ox(x) + t0 * outr.st, outr.st);
+        gemm_bf16(nq, D, 2 * m2, A, 2 * m2, packed + D * m, false, ox(x) + t0 * ost(), ost());
         return;
       }
-    gemm<T>(false, false, nq, D, m, G, ld, VS + x * m * D, D, false, ox(x) + t0 * outr.st, outr.st);
+    gemm<T>(false, false, nq, D, m, G, ld, VS + x * m * D, D, false, ox(x) + t0 * ost(), ost());
   }
 
   // Head x's operands of the gate and the shared branch, bfloat16 for their products: L^T as VNNI
@@ -376,7 +378,7 @@ struct Forward {
     if (small && !bf) {  // a small expert: in registers, no gathers
       small_expert(x, mem, n_e, kk, keys, sc);
       merge_block(x, mem, n_e, sc);
-      if (rounds_in_merge()) stream_fence();
+      if (grouped) stream_fence();
       return;
     }
     if (!bf)
@@ -421,7 +423,7 @@ struct Forward {
       if (!pv) gemm<T>(false, false, nb, D, kk, Sb, kk, Ve, D, false, Ob, D);
       merge_block(x, mem + i0, nb, sc);
     }
-    if (rounds_in_merge()) stream_fence();
+    if (grouped) stream_fence();
   }
 
   // The routed softmax of a small expert's nb queries (slots mem) over its kk keys, into sc.Ob and
@@ -468,7 +470,7 @@ struct Forward {
         for (int64_t i0 = 0; i0 < ld; i0 += V::size()) (V::loadu(St + j * ld + i0) + o).store(St + j * ld + i0);
       }
     if (s == 1 && ahead())  // the output rows merge_block updates
-      for (int64_t i = 0; i < nb; ++i) prefetch_row(ox(x) + mem[i] * outr.st, D);
+      for (int64_t i = 0; i < nb; ++i) prefetch_row(ox(x) + mem[i] * ost(), D);
     for (int64_t i0 = 0; i0 < ld; i0 += V::size()) {  // the queries are the lanes
       V mx(-std::numeric_limits<T>::infinity()), sum(T(0));
       for (int64_t j = 0; j < kk; ++j) mx = lanes_max(mx, V::loadu(St + j * ld + i0));
@@ -493,16 +495,14 @@ struct Forward {
       for (int64_t i = 0; i < nb; ++i) {
         const int64_t t = mem[i];
         LT[x * Nq + t] = sc.a[i];
-        const int64_t at = outr.head(x / H, x % H) + t * outr.st;
-        const T* o = O + at;
+        T* o = ox(x) + t * ost();
         T* r = sc.Ob.data() + i * D;
         const T wi = sc.w[i];
-        if (rounds_in_merge()) {  // this query's last write: rounded into out, O not written back
+        if (grouped) {  // this query's last write: into out, O not written back
           for (int64_t d = 0; d < D; ++d) r[d] = o[d] + wi * (r[d] - o[d]);
-          stream_from_compute(r, OUT + at, D);
+          stream_from_compute(r, outx(x) + t * outr.st, D);
         } else {
-          T* ow = O + at;
-          for (int64_t d = 0; d < D; ++d) ow[d] += wi * (r[d] - ow[d]);
+          for (int64_t d = 0; d < D; ++d) o[d] += wi * (r[d] - o[d]);
         }
       }
     } else {
@@ -525,14 +525,13 @@ struct Forward {
       T ws = 0;
       for (auto& a : w) ws += (a = std::exp(a - wm));
       LT[xt] = wm + std::log(ws);
-      const int64_t at = outr.head(xt / Nq / H, xt / Nq % H) + (xt % Nq) * outr.st;
-      T* o = O + at;
+      T* o = ox(xt / Nq) + (xt % Nq) * ost();
       for (int64_t d = 0; d < D; ++d) {
         T a = w[0] * o[d];
         for (int64_t j = 0; j < s; ++j) a += w[j + 1] * RO[(xt * s + j) * D + d];
         o[d] = a / ws;
       }
-      if (rounds_in_merge()) from_compute(o, OUT + at, D);
+      if (grouped) from_compute(o, outx(xt / Nq) + (xt % Nq) * outr.st, D);
     }
   }
 
@@ -579,6 +578,13 @@ struct Forward {
   }
 };
 
+// Heads per group of the large heads' gate and routed phases: the fewest that give every thread
+// four or more query blocks and experts to take.
+inline int64_t head_group(int64_t X, int64_t Nq, int64_t m, int64_t threads) {
+  const int64_t items = std::max<int64_t>(1, std::min((Nq + kQueryBlock - 1) / kQueryBlock, m));
+  return std::clamp<int64_t>((4 * threads + items - 1) / items, 1, X);
+}
+
 template <typename T, typename In>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& lm, Bins bins,
                   const bool* key_mask, const bool* query_mask, int64_t topk, int64_t s, double scale_,
@@ -592,9 +598,10 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   // Small heads (q, k, v within about L2) run all their phases in one task, head by head.
   const bool by_head = (Nq + 2 * Nk) * D * int64_t(sizeof(T)) <= kSmallHead && X >= threads;
   constexpr bool half = Forward<T, In>::kHalf;
-  // out in T: out itself, or (half precision, large heads) a float32 copy of its layout, rounded
-  // into out at the end; small heads in half precision write a head's rows in scratch instead.
-  const at::Tensor out_t = !half ? out : by_head ? at::Tensor() : kept_empty({B, Nq, H, D}, opts).transpose(1, 2);
+  // Large heads go group by group through the gate and the routed phase (below), a group's output
+  // rows in scratch; small heads in half precision write a head's rows in scratch instead.
+  const int64_t group = by_head ? 0 : head_group(X, Nq, m, threads);
+  const at::Tensor out_t = by_head ? (half ? at::Tensor() : out) : kept_empty({group * Nq * D}, opts);
   at::Tensor count_t = kept_empty({X, m + 1}, opts.dtype(at::kLong));
   at::Tensor members_t = kept_empty({X, Nq * s}, opts.dtype(at::kLong));
   at::Tensor routed_out, routed_lse;  // s > 1: each (query, route) result, merged after
@@ -653,7 +660,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 rows_as(f.vx(x), Nk, D, lv, hv.data());
               }
               g.head(x, sc, next(x));
-              In* o = f.OUT + f.outr.head(x / H, x % H);
+              In* o = f.outx(x);
               for (int64_t t = 0; t < Nq; ++t) from_compute(ho.data() + t * D, o + t * f.outr.st, D);
             }
           return;
@@ -672,7 +679,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             rows_as(f.kx(x), Nk, D, lk, hk.data());
             rows_as(f.vx(x), Nk, D, lv, hv.data());
             g.head(x, sc, next(x));
-            In* o = f.OUT + f.outr.head(x / H, x % H);
+            In* o = f.outx(x);
             for (int64_t t = 0; t < Nq; ++t) from_compute(ho.data() + t * D, o + t * f.outr.st, D);
           }
       } else {
@@ -718,22 +725,28 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       typename Forward<T, In>::Scratch sc(f, 1);
       for (int64_t x = begin; x < end; ++x) f.pack_shared(x, f.shared + x * f.shared_size(), sc);
     });
-  // Items ordered (batch, query block, head): out is (B, N, H, D) in memory, so each thread writes
-  // (and first touches) a range of out of its own instead of every thread every page.
+  // The gate, routing and routed experts group by group of heads: the shared branch's output rows
+  // the merge reads back are a group's, in cache, and half precision keeps no float32 copy of out.
   const int64_t qblocks = (Nq + kQueryBlock - 1) / kQueryBlock;
-  guided_for(X * qblocks, [&](int64_t begin, int64_t end, typename Forward<T, In>::Scratch& sc) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (qblocks * H), t0 = (item / H % qblocks) * kQueryBlock, x = b * H + item % H;
-      f.gate(x, t0, std::min(kQueryBlock, Nq - t0), sc);
-    }
-  });
-  at::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t x = begin; x < end; ++x) f.group(x);
-  });
-  guided_for(X * m, [&](int64_t begin, int64_t end, typename Forward<T, In>::Scratch& sc) {
-    for (int64_t item = begin; item < end; ++item) f.routed(item / m, item % m, sc);
-  });
-  if (s > 1) at::parallel_for(0, X * Nq, 256, [&](int64_t begin, int64_t end) { f.merge(begin, end); });
+  f.grouped = true;
+  for (int64_t x0 = 0; x0 < X; x0 += group) {
+    const int64_t nx = std::min(group, X - x0);
+    f.o0 = x0;
+    guided_for(nx * qblocks, [&](int64_t begin, int64_t end, typename Forward<T, In>::Scratch& sc) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t t0 = item / nx * kQueryBlock;
+        f.gate(x0 + item % nx, t0, std::min(kQueryBlock, Nq - t0), sc);
+      }
+    });
+    at::parallel_for(x0, x0 + nx, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t x = begin; x < end; ++x) f.group(x);
+    });
+    guided_for(nx * m, [&](int64_t begin, int64_t end, typename Forward<T, In>::Scratch& sc) {
+      for (int64_t item = begin; item < end; ++item) f.routed(x0 + item / m, item % m, sc);
+    });
+    if (s > 1)
+      at::parallel_for(x0 * Nq, (x0 + nx) * Nq, 256, [&](int64_t begin, int64_t end) { f.merge(begin, end); });
+  }
 }
 
 }  // namespace

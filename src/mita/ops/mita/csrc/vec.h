@@ -137,16 +137,16 @@ void from_compute(const T* src, In* dst, int64_t n) {
 template <typename In, typename T>
 void stream_from_compute(const T* src, In* dst, int64_t n) {
 #if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (!std::is_same_v<T, In>) {
-    constexpr int64_t L = 64 / sizeof(In);
-    if (reinterpret_cast<uintptr_t>(dst) % 64 == 0 && n % L == 0) {
+  constexpr int64_t L = 64 / sizeof(In);
+  if (reinterpret_cast<uintptr_t>(dst) % 64 == 0 && n % L == 0) {
+    for (int64_t i = 0; i < n; i += L) {
       alignas(64) In line[L];
-      for (int64_t i = 0; i < n; i += L) {
-        at::vec::convert(src + i, line, L);
-        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_load_si512(line));
-      }
-      return;
+      const In* from = line;
+      if constexpr (std::is_same_v<T, In>) from = src + i;
+      else at::vec::convert(src + i, line, L);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_loadu_si512(from));
     }
+    return;
   }
 #endif
   from_compute(src, dst, n);
