@@ -395,6 +395,11 @@ struct Forward {
     for (int64_t i0 = 0; i0 < n_e; i0 += kQueryBlock) {
       const int64_t nb = std::min(kQueryBlock, n_e - i0);
       const auto q = [&](int64_t i) { return qx(x) + (mem[i0 + i] / s) * qr.st; };
+      // The shared output rows the merge reads (a group's scratch, rows by index), into L2 during the
+      // products: forward 0.993 / 0.964 in float32, 0.972 / 0.916 in bfloat16 at N = 16,384, no change
+      // at 4,096 (two runs, Zen 5).
+      if (s == 1)
+        for (int64_t i = 0; i < nb; ++i) prefetch_row<T, 2>(ox(x) + mem[i0 + i] * ost(), D);
       if constexpr (kBf16)
         if (bf) {
           for (int64_t i = 0; i < nb; ++i) std::copy(q(i), q(i) + D, sc.Ha.data() + i * D);
