@@ -274,11 +274,17 @@ struct Forward {
         if (s == 1) {  // the first largest gate (a NaN among them routes to 0)
           int64_t arg = 0;
           if (gmax[r] == gmax[r])
-            for (int64_t j = 0; j < ld; j += W)
-              if (const int hit = ~(V::loadu(row + j) == V(gmax[r])).zero_mask() & ((1 << W) - 1)) {
-                arg = j + __builtin_ctz(hit);
+            // 64 gates a step, their hits in one mask: no exit taken per vector, mispredicted where the
+            // maximum lies at random (forward 0.95-0.98 at N = 1,025 and 4,096-16,384, two runs, Zen 5)
+            for (int64_t c0 = 0; c0 < ld; c0 += 64) {
+              uint64_t hits = 0;
+              for (int64_t j = c0; j < std::min(ld, c0 + 64); j += W)
+                hits |= uint64_t(~(V::loadu(row + j) == V(gmax[r])).zero_mask() & ((1 << W) - 1)) << (j - c0);
+              if (hits) {
+                arg = c0 + __builtin_ctzll(hits);
                 break;
               }
+            }
           route[0] = arg;
         } else {  // the s largest gates, ties to the lower landmark
           int64_t* order = sc.order.data();
