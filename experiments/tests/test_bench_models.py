@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mita_experiments.benchmarks import vit
+from mita_experiments.benchmarks import timing, vit
+from mita_experiments.benchmarks.models import side_by_side, timed_rows, write_results
 from mita_experiments.benchmarks.timing import alternating_rounds
 from mita_experiments.cli import build_parser, main
 
@@ -42,14 +43,37 @@ def test_bench_is_the_one_timing_verb(capsys):
 def test_alternating_rounds_times_each_call_once_per_round_in_turn(monkeypatch):
     clock = itertools.count(0.0, 0.5)  # every perf_counter read is 0.5 s after the previous one
     monkeypatch.setattr("mita_experiments.benchmarks.timing.time.perf_counter", lambda: next(clock))
+    faults = itertools.count(0, 3)  # every fault-count read is 3 faults after the previous one
+    monkeypatch.setattr("mita_experiments.benchmarks.timing.minor_faults", lambda: next(faults))
     order: list[str] = []
     seen: list[tuple[int, dict[str, float]]] = []
     calls = {"a": lambda: order.append("a") or 1.0, "b": lambda: order.append("b") or torch.ones(2)}
     rounds = alternating_rounds(calls, 3, warmup=2, on_round=lambda r, s: seen.append((r, s)))
     assert order == ["a", "b"] * 5  # two warm-up calls each, then three alternating rounds
     assert rounds.times == {"a": [0.5] * 3, "b": [0.5] * 3} and rounds.median("a") == 0.5
+    assert rounds.faults == {"a": [3] * 3, "b": [3] * 3} and rounds.median_faults("b") == 3
     assert rounds.outputs["a"] == 1.0 and torch.equal(rounds.outputs["b"], torch.ones(2))
     assert [r for r, _ in seen] == [0, 1, 2] and seen[0][1] == {"a": 0.5, "b": 0.5}
+
+
+def test_page_faults_are_blank_where_the_os_does_not_count_them(monkeypatch, tmp_path):
+    monkeypatch.setattr("mita_experiments.benchmarks.timing.minor_faults", lambda: None)
+    rounds = alternating_rounds({"a": lambda: torch.ones(1)}, 2)
+    assert rounds.faults == {"a": []} and rounds.median_faults("a") is None
+    timed = side_by_side({"a": lambda: torch.ones(1)}, 2, "a")
+    rows = timed_rows(timed, {"model": "m"}, 1, "images", 2)
+    assert rows[0]["page faults/call"] is None
+    report = write_results(tmp_path, rows, "t", "how.", "cmd").read_text()
+    assert "| m | a |" in report and "page faults/call: the process's minor page faults" in report
+    assert rows_of(tmp_path)[0]["page faults/call"] == ""
+
+
+def test_page_faults_are_counted_on_posix():
+    if timing.resource is None:
+        pytest.skip("no getrusage on this OS")
+    before = timing.minor_faults()
+    fresh = bytearray(64 << 20)  # 64 MiB, mapped anew: reading a page of it faults
+    assert fresh[-1] == 0 and timing.minor_faults() > before
 
 
 @pytest.mark.parametrize(("rounds", "warmup"), [(0, 1), (1, -1)])
@@ -67,6 +91,7 @@ def test_vit_measure_rows(mode):
     rows = vit.measure(TINY, vit.Size(32, 1, 4, 4), mode, 1, model_kwargs={"depth": 2})
     assert [r["attention"] for r in rows] == ["timm", "mita m=4 k=4"]
     assert all(r["finite"] and r["images/s"] > 0 and r["N"] == 5 for r in rows)
+    assert all(r["page faults/call"] >= 0 for r in rows) or timing.resource is None
     assert rows[0]["speed-up"] == 1.0 and rows[1]["speed-up"] == pytest.approx(
         rows[0]["seconds (median)"] / rows[1]["seconds (median)"]
     )

@@ -30,6 +30,14 @@ REPORT, CSV = "results.md", "results.csv"
 #: a progress callback of :func:`~mita_experiments.benchmarks.timing.alternating_rounds`
 OnRound = Callable[[int, dict[str, float]], None]
 
+FAULTS = (
+    "page faults/call: the process's minor page faults during that model's timed calls (median; blank "
+    "where the OS does not report them), each a page of fresh memory touched for the first time. Which "
+    "calls fault depends on the C allocator's heap (glibc gives large freed blocks back to the OS), so "
+    "two models can differ in faults for the same work; an allocator that keeps freed memory "
+    '(docs/performance.md, "Fresh memory") removes them.'
+)
+
 
 def add_common_arguments(p: argparse.ArgumentParser) -> None:
     """``--threads``, ``--out`` and ``--force``, as every target spells them."""
@@ -51,13 +59,15 @@ def side_by_side(
 ) -> dict[str, dict[str, Any]]:
     """Each call timed in ``rounds`` alternating rounds after one warm-up call each
     (:func:`~mita_experiments.benchmarks.timing.alternating_rounds`): per call its median seconds,
-    its speed-up over the call ``baseline`` and whether its (warm-up) output is finite."""
+    its speed-up over the call ``baseline``, its median minor page faults a call (None where not
+    counted) and whether its (warm-up) output is finite."""
     measured = alternating_rounds(calls, rounds, on_round=on_round)
     base = measured.median(baseline)
     return {
         name: {
             "median": measured.median(name),
             "speed-up": base / measured.median(name),
+            "faults": measured.median_faults(name),
             "finite": bool(torch.isfinite(measured.outputs[name]).all()),
         }
         for name in calls
@@ -69,7 +79,7 @@ def timed_rows(
 ) -> list[dict[str, Any]]:
     """One row per call of :func:`side_by_side`'s result ``timed``: ``columns`` first (what was measured),
     then the call's name as ``attention``, its median seconds, ``unit``/s (``batch`` of them a forward),
-    its speed-up, the ``rounds`` and whether its output is finite."""
+    its speed-up, its page faults a call, the ``rounds`` and whether its output is finite."""
     return [
         {
             **columns,
@@ -77,6 +87,7 @@ def timed_rows(
             "forward s (median)": t["median"],
             f"{unit}/s": batch / t["median"],
             "speed-up": t["speed-up"],
+            "page faults/call": t["faults"],
             "rounds": rounds,
             "finite": t["finite"],
         }
@@ -131,7 +142,10 @@ def progress(total: int, desc: str) -> tuple[Any, OnRound]:
 
 
 def _cell(value: Any) -> Any:
-    """A table cell: floats to 3 significant digits, trailing zeros kept (whole numbers from 100 up)."""
+    """A table cell: floats to 3 significant digits, trailing zeros kept (whole numbers from 100 up);
+    None (not measured) blank."""
+    if value is None:
+        return ""
     if isinstance(value, float):
         return f"{value:#.3g}".rstrip(".") if abs(value) < 100 else f"{value:,.0f}"
     return value
@@ -147,6 +161,8 @@ def write_results(out: Path, rows: Sequence[dict[str, Any]], title: str, method:
         writer.writeheader()
         writer.writerows({**row, "machine": machine} for row in rows)
     table = markdown_table([{k: _cell(v) for k, v in row.items()} for row in rows])
+    if "page faults/call" in rows[0]:
+        method = f"{method} {FAULTS}"
     text = f"# {title}\n\nCommand: `{command}`\n\nMachine: {machine}\n\n{method}\n\n{table}"
     atomic_write_text(out / REPORT, text)
     return out / REPORT

@@ -17,7 +17,10 @@ footprint of the step.
 
 Whole models are timed side by side by :func:`alternating_rounds` (``mita bench vit``,
 ``mita bench video``): each round times one call of every variant in turn, so all see the
-same machine load. :func:`measure_side_by_side` does the same for attention calls
+same machine load, and count the minor page faults of each timed call (the process's, all its
+threads: each is a page of fresh memory touched for the first time, about 1 µs on the VMs measured;
+which calls fault depends on the C allocator's heap, see docs/performance.md, "Fresh memory").
+:func:`measure_side_by_side` does the same for attention calls
 (``mita bench --rounds R``): on a machine whose speed drifts (a shared VM), a ratio of two
 medians taken minutes apart moves with the drift, one of medians over the same rounds much less.
 """
@@ -34,6 +37,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+
+try:
+    import resource  # POSIX
+except ImportError:  # Windows: no fault counts
+    resource = None  # type: ignore[assignment]
 
 MODES = ("fwd", "fwdbwd")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -140,6 +148,11 @@ def _no_gc() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def minor_faults() -> int | None:
+    """Minor page faults of this process so far (all its threads; ``getrusage``), None where unknown."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else None
 
 
 def _timed(fn: Callable[[], object], device: str | torch.device) -> float:
@@ -286,14 +299,20 @@ def measure(
 
 @dataclass(frozen=True)
 class Rounds:
-    """What :func:`alternating_rounds` measured: each call's seconds per round, and what it returned."""
+    """What :func:`alternating_rounds` measured: each call's seconds and page faults per round, and
+    what it returned."""
 
     times: dict[str, list[float]]  # seconds of each timed call, in round order
     outputs: dict[str, object]  # what each call returned in its last warm-up call (for checks such as finiteness)
+    faults: dict[str, list[int]]  # minor page faults of each timed call (empty where not counted)
 
     def median(self, name: str) -> float:
         """Median seconds of the call ``name`` over the rounds."""
         return statistics.median(self.times[name])
+
+    def median_faults(self, name: str) -> float | None:
+        """Median minor page faults of a call of ``name`` over the rounds; None where not counted."""
+        return statistics.median(self.faults[name]) if self.faults[name] else None
 
 
 def alternating_rounds(
@@ -323,13 +342,18 @@ def alternating_rounds(
             outputs[name] = fn()
     synchronize(device)
     times: dict[str, list[float]] = {name: [] for name in calls}
+    faults: dict[str, list[int]] = {name: [] for name in calls}
     with _no_gc():
         for r in range(rounds):
             for name, fn in calls.items():
+                before = minor_faults()
                 times[name].append(_timed(fn, device))
+                after = minor_faults()
+                if before is not None and after is not None:
+                    faults[name].append(after - before)
             if on_round is not None:
                 on_round(r, {name: t[-1] for name, t in times.items()})
-    return Rounds(times, outputs)
+    return Rounds(times, outputs, faults)
 
 
 def measure_side_by_side(

@@ -220,6 +220,7 @@ def measure(
             "images/s": size.batch / t["median"],
             "steps/s": 1 / t["median"] if mode == "train" else "",
             "speed-up": t["speed-up"],
+            "page faults/call": t["faults"],
             "rounds": rounds,
             "finite": t["finite"],
         }
