@@ -66,6 +66,7 @@ def test_quick_rows_ratios_follow_their_definitions(quick_run: Path) -> None:
         assert float(r["gflops_per_s"]) == pytest.approx(float(r["model_flops"]) * passes / t / 1e9, 1e-4)
         assert float(r["matmul_gflops_per_s"]) == pytest.approx(rate, 1e-4)
         assert float(r["share_of_matmul"]) == pytest.approx(float(r["gflops_per_s"]) / rate, 1e-4)
+        assert float(r["page_faults"]) >= 0 or timing.resource is None  # (empty where not counted)
     assert "of matmul" in (quick_run / "results.md").read_text()
 
 
@@ -362,6 +363,7 @@ def test_rounds_time_the_methods_of_a_point_side_by_side(tmp_path: Path, monkeyp
         ("linear", "256", "4", "ok"),
     ]
     assert float(rows[1]["speedup"]) == pytest.approx(float(rows[0]["median_s"]) / float(rows[1]["median_s"]), 1e-4)
+    assert all(float(r["page_faults"]) >= 0 for r in rows) or timing.resource is None
     # per N: one warm-up call of each, then four rounds of one call of each in turn
     assert calls == [(m, n) for n in (128, 256) for m in ["sdpa", "linear"] * 5]
 

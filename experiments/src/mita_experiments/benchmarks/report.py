@@ -34,6 +34,7 @@ FIELDS = (
     "median_s",
     "repeats",
     "tokens_per_s",
+    "page_faults",
     "peak_bytes",
     "reference_bytes",
     "memory_ratio",
@@ -279,8 +280,8 @@ def _mib(cell: str) -> float | None:
 
 
 def measured_row(row: Row, m: Any, tokens: int, matmul_gflops: float | None = None) -> Row:
-    """``row`` completed with a measurement ``m`` (median_s, repeats, peak_bytes, reference_bytes) of ``tokens``;
-    with the FLOP model's GFLOP/s (forward+backward counted as 3 forwards) and, given the machine's
+    """``row`` completed with a measurement ``m`` (median_s, repeats, peak_bytes, reference_bytes, faults)
+    of ``tokens``; with the FLOP model's GFLOP/s (forward+backward counted as 3 forwards) and, given the machine's
     ``matmul_gflops`` in the row's dtype, its share of that physical limit."""
     flops = num(row["model_flops"])
     rate = flops * PASSES[row["mode"]] / m.median_s / 1e9 if flops else None
@@ -293,6 +294,7 @@ def measured_row(row: Row, m: Any, tokens: int, matmul_gflops: float | None = No
         "median_s": fmt(m.median_s),
         "repeats": str(m.repeats),
         "tokens_per_s": fmt(tokens / m.median_s),
+        "page_faults": fmt(m.faults),
         "peak_bytes": fmt(m.peak_bytes),
         "reference_bytes": fmt(m.reference_bytes),
         "memory_ratio": fmt(m.peak_bytes / m.reference_bytes if m.peak_bytes is not None else None),

@@ -86,12 +86,14 @@ class Case:
 
 @dataclass(frozen=True)
 class Measurement:
-    """One measured point: median seconds over ``repeats`` calls, and the peak footprint in bytes."""
+    """One measured point: median seconds over ``repeats`` calls, the peak footprint in bytes, and the
+    median page faults of a call."""
 
     median_s: float
     repeats: int
     peak_bytes: int | None  # inputs + the peak above them; None when not measured
     reference_bytes: int
+    faults: float | None = None  # median minor page faults of a timed call; None where not counted
 
 
 def check_mode(mode: str) -> None:
@@ -171,9 +173,10 @@ def time_call(
     warmup: int = 1,
     min_repeats: int = 3,
     max_repeats: int = 100,
-) -> tuple[float, int]:
-    """(median seconds, repeats) of ``fn``: ``warmup`` untimed calls, then timed calls until both
-    ``min_repeats`` are done and ``budget_s`` seconds are spent, or ``max_repeats`` are done."""
+) -> tuple[float, int, float | None]:
+    """(median seconds, repeats, median minor page faults or None) of ``fn``: ``warmup`` untimed calls,
+    then timed calls until both ``min_repeats`` are done and ``budget_s`` seconds are spent, or
+    ``max_repeats`` are done."""
     if warmup < 0 or min_repeats < 1 or max_repeats < min_repeats or budget_s < 0:
         raise ValueError(
             "time_call needs warmup >= 0, 1 <= min_repeats <= max_repeats and budget_s >= 0, got "
@@ -183,11 +186,16 @@ def time_call(
         fn()
     synchronize(device)
     times: list[float] = []
+    faults: list[int] = []
     with _no_gc():
         start = time.perf_counter()
         while len(times) < max_repeats and (len(times) < min_repeats or time.perf_counter() - start < budget_s):
+            before = minor_faults()
             times.append(_timed(fn, device))
-    return statistics.median(times), len(times)
+            after = minor_faults()
+            if before is not None and after is not None:
+                faults.append(after - before)
+    return statistics.median(times), len(times), statistics.median(faults) if faults else None
 
 
 def matmul_rate(dtype: str = "float32", device: str = "cpu", size: int = 2048, repeats: int = 10) -> float:
@@ -291,10 +299,10 @@ def measure(
     peak = case.input_bytes(mode) + peak_memory(step, device=case.device) if memory else None
     if slowest > budget_s:  # one call alone exceeds the budget: a single timed call will do
         min_repeats = 1
-    median, repeats = time_call(
+    median, repeats, faults = time_call(
         step, device=case.device, budget_s=budget_s, warmup=0, min_repeats=min_repeats, max_repeats=max_repeats
     )
-    return Measurement(median, repeats, peak, case.reference_bytes(mode))
+    return Measurement(median, repeats, peak, case.reference_bytes(mode), faults)
 
 
 @dataclass(frozen=True)
@@ -398,5 +406,7 @@ def measure_side_by_side(
         measured = alternating_rounds(steps, rounds, warmup=0, device=case.device)
         for name, step in steps.items():
             peak = case.input_bytes(mode) + peak_memory(step, device=case.device) if memory else None
-            results[name] = Measurement(measured.median(name), rounds, peak, case.reference_bytes(mode))
+            results[name] = Measurement(
+                measured.median(name), rounds, peak, case.reference_bytes(mode), measured.median_faults(name)
+            )
     return {name: results[name] for name in ops}
