@@ -637,12 +637,13 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   if (by_head) {
     guided_runs(X, [&](const auto& take) {
       const SingleThreadedBlas blas;
-      int64_t begin = 0, end = 0;
-      const auto next = [&](int64_t x) {  // the next head of this run read ahead during head x's routed phase
-        return [&f, x, end](int64_t e) {
-          if (x + 1 < end) f.prefetch_head(x + 1, e);
+      // The head this thread runs next read ahead during the current one's routed phase.
+      const auto ahead = [&f](int64_t after) {
+        return [&f, after](int64_t e) {
+          if (after >= 0) f.prefetch_head(after, e);
         };
       };
+      using Heads = Taken<std::decay_t<decltype(take)>>;
       if constexpr (Forward<T, In>::kBf16)
         if (f.bf16_path()) {
           // bfloat16 products: every phase reads a head's q, k, v rows in place as bfloat16; its
@@ -663,17 +664,17 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             g.Vf = hv.data();
           }
           typename Forward<T, In>::Scratch sc(g, m);
-          while (take(begin, end))
-            for (int64_t x = begin; x < end; ++x) {
-              if (once) {
-                int64_t lk = f.kr.st, lv = f.vr.st;  // (rows_as sets them to D)
-                rows_as(f.kx(x), Nk, D, lk, hk.data());
-                rows_as(f.vx(x), Nk, D, lv, hv.data());
-              }
-              g.head(x, sc, next(x));
-              In* o = f.outx(x);
-              for (int64_t t = 0; t < Nq; ++t) from_compute(ho.data() + t * D, o + t * f.outr.st, D);
+          for (Heads heads(take); heads.next();) {
+            const int64_t x = heads.x();
+            if (once) {
+              int64_t lk = f.kr.st, lv = f.vr.st;  // (rows_as sets them to D)
+              rows_as(f.kx(x), Nk, D, lk, hk.data());
+              rows_as(f.vx(x), Nk, D, lv, hv.data());
             }
+            g.head(x, sc, ahead(heads.after()));
+            In* o = f.outx(x);
+            for (int64_t t = 0; t < Nq; ++t) from_compute(ho.data() + t * D, o + t * f.outr.st, D);
+          }
           return;
         }
       if constexpr (half) {
@@ -683,20 +684,19 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         Buffer<T> hq(Nq * D), hk(Nk * D), hv(Nk * D), ho(Nq * D);
         const Forward<T, T> g = f.on_rows(hq.data(), hk.data(), hv.data(), ho.data());
         typename Forward<T, T>::Scratch sc(g, m);
-        while (take(begin, end))
-          for (int64_t x = begin; x < end; ++x) {
-            int64_t lq = f.qr.st, lk = f.kr.st, lv = f.vr.st;  // (rows_as sets them to D)
-            rows_as(f.qx(x), Nq, D, lq, hq.data());
-            rows_as(f.kx(x), Nk, D, lk, hk.data());
-            rows_as(f.vx(x), Nk, D, lv, hv.data());
-            g.head(x, sc, next(x));
-            In* o = f.outx(x);
-            for (int64_t t = 0; t < Nq; ++t) from_compute(ho.data() + t * D, o + t * f.outr.st, D);
-          }
+        for (Heads heads(take); heads.next();) {
+          const int64_t x = heads.x();
+          int64_t lq = f.qr.st, lk = f.kr.st, lv = f.vr.st;  // (rows_as sets them to D)
+          rows_as(f.qx(x), Nq, D, lq, hq.data());
+          rows_as(f.kx(x), Nk, D, lk, hk.data());
+          rows_as(f.vx(x), Nk, D, lv, hv.data());
+          g.head(x, sc, ahead(heads.after()));
+          In* o = f.outx(x);
+          for (int64_t t = 0; t < Nq; ++t) from_compute(ho.data() + t * D, o + t * f.outr.st, D);
+        }
       } else {
         typename Forward<T, In>::Scratch sc(f, m);
-        while (take(begin, end))
-          for (int64_t x = begin; x < end; ++x) f.head(x, sc, next(x));
+        for (Heads heads(take); heads.next();) f.head(heads.x(), sc, ahead(heads.after()));
       }
     });
     return;
