@@ -165,6 +165,20 @@ def _timed(fn: Callable[[], object], device: str | torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def _timed_counted(fn: Callable[[], object], device: str | torch.device, faults: list[int]) -> float:
+    """:func:`_timed`, with the call's minor page faults appended to ``faults`` where the OS counts them."""
+    before = minor_faults()
+    seconds = _timed(fn, device)
+    after = minor_faults()
+    if before is not None and after is not None:
+        faults.append(after - before)
+    return seconds
+
+
+def _median_or_none(values: list[int]) -> float | None:
+    return statistics.median(values) if values else None
+
+
 def time_call(
     fn: Callable[[], object],
     *,
@@ -190,12 +204,8 @@ def time_call(
     with _no_gc():
         start = time.perf_counter()
         while len(times) < max_repeats and (len(times) < min_repeats or time.perf_counter() - start < budget_s):
-            before = minor_faults()
-            times.append(_timed(fn, device))
-            after = minor_faults()
-            if before is not None and after is not None:
-                faults.append(after - before)
-    return statistics.median(times), len(times), statistics.median(faults) if faults else None
+            times.append(_timed_counted(fn, device, faults))
+    return statistics.median(times), len(times), _median_or_none(faults)
 
 
 def matmul_rate(dtype: str = "float32", device: str = "cpu", size: int = 2048, repeats: int = 10) -> float:
@@ -320,7 +330,7 @@ class Rounds:
 
     def median_faults(self, name: str) -> float | None:
         """Median minor page faults of a call of ``name`` over the rounds; None where not counted."""
-        return statistics.median(self.faults[name]) if self.faults[name] else None
+        return _median_or_none(self.faults[name])
 
 
 def alternating_rounds(
@@ -354,11 +364,7 @@ def alternating_rounds(
     with _no_gc():
         for r in range(rounds):
             for name, fn in calls.items():
-                before = minor_faults()
-                times[name].append(_timed(fn, device))
-                after = minor_faults()
-                if before is not None and after is not None:
-                    faults[name].append(after - before)
+                times[name].append(_timed_counted(fn, device, faults[name]))
             if on_round is not None:
                 on_round(r, {name: t[-1] for name, t in times.items()})
     return Rounds(times, outputs, faults)

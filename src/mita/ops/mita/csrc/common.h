@@ -80,35 +80,30 @@ void guided_runs(int64_t n, const Body& body) {
 // run is taken when the current run's last item starts, so that item too can read the next one's
 // data ahead (with two threads the runs are short, 1-6 heads of 24 at B = 4, N = 1,025, and a
 // run's last head had nothing to read ahead: the next head's first phases then read from memory).
-//   for (Taken<decltype(take)> items(take); items.next();) use(items.x(), items.after());
+//   for (Taken<std::decay_t<decltype(take)>> items(take); items.next();) use(items.x(), items.after());
 template <typename Take>
 class Taken {
  public:
-  explicit Taken(const Take& take) : take_(take) {}
+  explicit Taken(const Take& take) : take_(take), more_(take_(next_, next_end_)) {}
   // Moves to the next item (false when none is left).
   bool next() {
     if (x_ + 1 < end_) {
       ++x_;
     } else {
-      if (!(reserved_ ? more_ : take_(begin_, end_))) return false;
-      if (reserved_) begin_ = next_begin_, end_ = next_end_;
-      reserved_ = false;
-      x_ = begin_;
+      if (!more_) return false;
+      x_ = next_, end_ = next_end_;
     }
-    if (x_ + 1 == end_) {
-      more_ = take_(next_begin_, next_end_);
-      reserved_ = true;
-    }
+    if (x_ + 1 == end_) more_ = take_(next_, next_end_);  // the run after this one, taken now
     return true;
   }
   int64_t x() const { return x_; }
   // The item this thread does after x (-1: none).
-  int64_t after() const { return x_ + 1 < end_ ? x_ + 1 : (reserved_ && more_ ? next_begin_ : -1); }
+  int64_t after() const { return x_ + 1 < end_ ? x_ + 1 : (more_ ? next_ : -1); }
 
  private:
   const Take& take_;
-  int64_t x_ = 0, begin_ = 0, end_ = 0, next_begin_ = 0, next_end_ = 0;
-  bool reserved_ = false, more_ = false;
+  int64_t x_ = 0, end_ = 0, next_ = 0, next_end_ = 0;  // the current item and run's end; the next run
+  bool more_;  // whether there is a next run
 };
 
 }  // namespace
